@@ -1,0 +1,27 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# Overrides that make the ResNet-50 demo finish in a few minutes on a 2-core CPU.
+# On a GPU machine run `make demo DEMO_ARGS=` to train the example as written.
+DEMO_ARGS ?= --set trainer.data.image_size=96 --set trainer.batch_size=16 --set trainer.steps_per_epoch=12 --set trainer.epochs=2
+
+.PHONY: demo test venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/clusterfit run examples/resnet50-synthetic.yaml $(DEMO_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,3 @@
+from clusterfit.cli import main
+
+main()

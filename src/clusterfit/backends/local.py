@@ -1,0 +1,109 @@
+"""This machine: torchrun's elastic agent starts and supervises `process_count_per_instance` workers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import yaml
+
+from clusterfit.backends.base import Rendered
+from clusterfit.spec.model import JobSpec
+
+RESOLVED_SPEC = "job.yaml"
+LOG_DIR = "logs"
+_CANCEL_GRACE_S = 20.0
+
+
+def threads_per_worker(processes: int, cores: int | None = None) -> int:
+    """CPU threads per rank so that ranks never oversubscribe the cores."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, cores // processes)
+
+
+def resolved_spec_text(spec: JobSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+def torchrun_command(spec: JobSpec, *, python: str = sys.executable) -> list[str]:
+    out = Path(spec.outputs.dir)
+    dist = spec.distribution
+    return [
+        python, "-m", "torch.distributed.run",
+        "--standalone",  # c10d rendezvous on a free local port; no port to pick or collide on
+        "--nnodes=1",
+        f"--nproc-per-node={dist.process_count_per_instance}",
+        f"--max-restarts={dist.max_restarts}",
+        "--logs-specs=clusterfit", f"--log-dir={out / LOG_DIR}", "--tee=3",
+        "--log-line-prefix-template=[rank${rank}] ",
+        "-m", "clusterfit.worker", "--spec", str(out / RESOLVED_SPEC),
+    ]  # fmt: skip
+
+
+class LocalBackend:
+    name = "local"
+
+    def dry_run(self, spec: JobSpec) -> Rendered:
+        threads = threads_per_worker(spec.distribution.process_count_per_instance)
+        return Rendered(
+            backend=self.name,
+            command=torchrun_command(spec),
+            env={"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"},
+            files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(spec)},
+        )
+
+    def submit(self, spec: JobSpec) -> LocalRun:
+        rendered = self.dry_run(spec)
+        for path, content in rendered.files.items():
+            _write_atomically(Path(path), content)
+        process = subprocess.Popen(
+            rendered.command,
+            env={**os.environ, **rendered.env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+            start_new_session=True,  # its own process group, so cancel reaches the agent and every worker
+        )
+        return LocalRun(process)
+
+
+class LocalRun:
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        self.process = process
+
+    def lines(self) -> Iterator[str]:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            yield line.rstrip("\n")
+
+    def poll(self) -> int | None:
+        return self.process.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.process.wait(timeout)
+
+    def cancel(self) -> None:
+        """SIGTERM to the agent's group (torchrun forwards it to the workers), SIGKILL after a grace period."""
+        if self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(_CANCEL_GRACE_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # also reaps workers that outlived the agent
+        self.process.wait()
+
+
+def _write_atomically(path: Path, content: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(content)
+    os.replace(tmp, path)

@@ -1,0 +1,120 @@
+"""`clusterfit` command line. Thin: parse, call named functions, turn user mistakes into one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from clusterfit.spec import JobSpec, SpecError, load_spec
+
+app = typer.Typer(
+    help="Distributed training of image classifiers from one job spec.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+console = Console(highlight=False)
+errors = Console(stderr=True, highlight=False)
+
+SetOption = Annotated[
+    Optional[list[str]],  # noqa: UP045 - typer needs Optional here
+    typer.Option("--set", help="Override a spec field, e.g. --set trainer.epochs=2 (repeatable)."),
+]
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    for line in message.splitlines():
+        errors.print(f"[red]error:[/red] {line}", markup=True, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _load(spec_file: Path, overrides: list[str] | None) -> JobSpec:
+    from clusterfit.launch import preflight
+
+    try:
+        spec = load_spec(spec_file, overrides or [])
+        preflight(spec)
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
+    return spec
+
+
+@app.command()
+def run(
+    spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml", help="The job spec.")],
+    overrides: SetOption = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the resolved spec and the worker command; start nothing.")
+    ] = False,
+) -> None:
+    """Run a training job in the foreground: stream every rank's log, show progress, export the model."""
+    from clusterfit.backends import get_backend
+    from clusterfit.monitoring.progress import follow
+
+    spec = _load(spec_file, overrides)
+    backend = get_backend(spec.resources.backend)
+    rendered = backend.dry_run(spec)
+    if dry_run:
+        console.rule("resolved spec")
+        console.print(next(iter(rendered.files.values())), markup=False, end="")
+        console.rule(f"{rendered.backend} backend command")
+        console.print(rendered.as_text(), markup=False, soft_wrap=True)
+        return
+    handle = backend.submit(spec)
+    out = Path(spec.outputs.dir)
+    try:
+        code = follow(handle, out, console)
+    except KeyboardInterrupt:
+        errors.print("cancelling: stopping every worker ...")
+        handle.cancel()
+        raise typer.Exit(130) from None
+    if code != 0:
+        raise _fail(f"job {spec.name} failed (exit code {code}); every rank's log is in {out / 'logs'}", 1)
+    _print_summary(out)
+
+
+@app.command()
+def validate(
+    spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml")],
+    overrides: SetOption = None,
+) -> None:
+    """Check a job spec and its data without running anything."""
+    spec = _load(spec_file, overrides)
+    console.print(
+        f"{spec_file}: ok ({spec.trainer.model}, {spec.world_size} worker(s), backend {spec.resources.backend})"
+    )
+
+
+def _print_summary(out: Path) -> None:
+    from clusterfit.worker.summary import SUMMARY_FILE
+
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    table = Table(title=f"{summary['name']}: {summary['world_size']} worker(s), {summary['precision']}")
+    table.add_column("epoch", justify="right")
+    table.add_column("images/s", justify="right")
+    table.add_column("val top-1", justify="right")
+    for epoch in summary["epochs"]:
+        top1 = epoch.get("val_top1")
+        table.add_row(str(epoch["epoch"]), f"{epoch['images_per_s']:.1f}", "-" if top1 is None else f"{top1:.3f}")
+    console.print(table)
+    console.print(f"model: {', '.join(summary['exported'])}")
+    console.print(
+        f"summary: {out / SUMMARY_FILE}  metrics: {out / 'metrics.jsonl'}  tensorboard: {out / 'tensorboard'}"
+    )
+
+
+def main() -> None:
+    try:
+        app()
+    except BrokenPipeError:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

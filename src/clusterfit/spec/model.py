@@ -1,0 +1,110 @@
+"""The user-facing job spec: what a `job.yaml` may say, validated once at the boundary."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MODEL_NAMES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnet_tiny")
+SYNTHETIC = "synthetic"
+
+
+class _Strict(BaseModel):
+    # NOTE: a misspelt key must be an error, never silently ignored.
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataSpec(_Strict):
+    train: str = SYNTHETIC
+    val: str | None = None
+    image_size: int = Field(224, ge=16, le=1024)
+    num_classes: int | None = Field(None, ge=2)
+    synthetic_images: int = Field(12_800, ge=1, description="images in one synthetic epoch")
+    loader_workers: int | None = Field(None, ge=0, description="DataLoader processes per rank; null = auto")
+
+    @model_validator(mode="after")
+    def _val_is_not_train(self) -> DataSpec:
+        if self.val is not None and self.val.rstrip("/") == self.train.rstrip("/"):
+            raise ValueError(f"val is the train folder {self.train!r}; give a separate validation folder or null")
+        if self.val == SYNTHETIC:
+            raise ValueError("val cannot be 'synthetic'; use null to skip validation")
+        if self.train == SYNTHETIC and self.num_classes is None:
+            raise ValueError("synthetic data needs num_classes (e.g. 1000)")
+        return self
+
+    @property
+    def is_synthetic(self) -> bool:
+        return self.train == SYNTHETIC
+
+
+class OptimizerSpec(_Strict):
+    name: Literal["sgd", "adamw"] = "sgd"
+    lr: float = Field(0.1, gt=0, description="learning rate per 256 images; scaled by global batch / 256")
+    momentum: float = Field(0.9, ge=0, lt=1)
+    nesterov: bool = False
+    weight_decay: float = Field(1e-4, ge=0)
+
+
+class ScheduleSpec(_Strict):
+    kind: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_epochs: float = Field(0.0, ge=0)
+
+
+class CheckpointSpec(_Strict):
+    every_steps: int | None = Field(200, ge=1, description="null = only at the end of each epoch")
+    keep: int = Field(3, ge=1)
+
+
+class TrainerSpec(_Strict):
+    model: Literal[MODEL_NAMES] = "resnet50"  # type: ignore[valid-type]
+    norm_layer: Literal["batch", "group"] = "batch"
+    data: DataSpec = DataSpec(num_classes=1000)
+    epochs: int = Field(1, ge=1)
+    steps_per_epoch: int | None = Field(None, ge=1, description="optional cap on steps per epoch")
+    batch_size: int = Field(64, ge=1, description="images per worker per step")
+    optimizer: OptimizerSpec = OptimizerSpec()
+    schedule: ScheduleSpec = ScheduleSpec()
+    label_smoothing: float = Field(0.0, ge=0, lt=1)
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    channels_last: bool = False
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    log_every_steps: int = Field(10, ge=1)
+    seed: int = Field(0, ge=0)
+
+
+class DistributionSpec(_Strict):
+    type: Literal["pytorch"] = "pytorch"
+    process_count_per_instance: int = Field(1, ge=1, le=1024)
+    max_restarts: int = Field(0, ge=0, description="times torchrun restarts all workers after a failure")
+
+
+class ResourcesSpec(_Strict):
+    instance_count: int = Field(1, ge=1)
+    backend: Literal["local"] = "local"
+
+
+class OutputsSpec(_Strict):
+    dir: str
+
+
+class JobSpec(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+    description: str | None = None
+    trainer: TrainerSpec
+    distribution: DistributionSpec = DistributionSpec()
+    resources: ResourcesSpec = ResourcesSpec()
+    outputs: OutputsSpec
+
+    @model_validator(mode="after")
+    def _local_is_one_machine(self) -> JobSpec:
+        if self.resources.backend == "local" and self.resources.instance_count != 1:
+            raise ValueError(
+                f"resources.instance_count is {self.resources.instance_count} but the local backend runs on one "
+                "machine; set it to 1"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.resources.instance_count * self.distribution.process_count_per_instance

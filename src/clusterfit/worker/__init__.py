@@ -1,0 +1,1 @@
+"""What runs inside each worker process: the training loop, checkpoints, evaluation and export."""

@@ -1,0 +1,40 @@
+"""Worker entry point, started by torchrun on every engine: `python -m clusterfit.worker --spec job.yaml`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from clusterfit.backends.rank_logs import RANK_LOG_ENV
+from clusterfit.spec import SpecError, load_spec
+from clusterfit.worker.dist import read_dist_env, shutdown_distributed
+from clusterfit.worker.train import train
+
+
+@record  # writes the exception to torchrun's error file, so the agent can name the failing rank and cause
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clusterfit.worker")
+    parser.add_argument("--spec", required=True, help="resolved job spec (YAML) written by the launcher")
+    args = parser.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # logs must reach rank-N.log and the console live
+    if os.environ.get(RANK_LOG_ENV):
+        # stdout already goes to logs/rank-N.log; send stderr (tracebacks, warnings) to the same file.
+        os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
+    try:
+        spec = load_spec(args.spec)
+        train(spec, read_dist_env())
+    except SpecError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
