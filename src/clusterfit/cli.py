@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -35,10 +36,10 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def _load(spec_file: Path, overrides: list[str] | None) -> JobSpec:
-    from clusterfit.launch import preflight
-
     try:
         spec = load_spec(spec_file, overrides or [])
+        from clusterfit.launch import preflight  # imports torch: only once the spec itself is valid
+
         preflight(spec)
     except SpecError as exc:
         raise _fail(str(exc)) from None
@@ -55,21 +56,24 @@ def run(
 ) -> None:
     """Run a training job in the foreground: stream every rank's log, show progress, export the model."""
     from clusterfit.backends import get_backend
-    from clusterfit.monitoring.progress import follow
+    from clusterfit.monitoring.progress import JobWatch, follow
 
     spec = _load(spec_file, overrides)
     backend = get_backend(spec.resources.backend)
     rendered = backend.dry_run(spec)
     if dry_run:
-        console.rule("resolved spec")
-        console.print(next(iter(rendered.files.values())), markup=False, end="")
-        console.rule(f"{rendered.backend} backend command")
+        for path, content in rendered.files.items():
+            console.print(f"# {path}", markup=False)
+            console.print(content, markup=False, end="")
+        console.print(f"# {rendered.backend} backend command", markup=False)
         console.print(rendered.as_text(), markup=False, soft_wrap=True)
         return
-    handle = backend.submit(spec)
     out = Path(spec.outputs.dir)
+    watch = JobWatch(out)
+    handle = backend.submit(spec)
+    signal.signal(signal.SIGTERM, _interrupt)  # `kill` of the launcher cancels the job like Ctrl-C
     try:
-        code = follow(handle, out, console)
+        code = follow(handle, watch, console)
     except KeyboardInterrupt:
         errors.print("cancelling: stopping every worker ...")
         handle.cancel()
@@ -89,6 +93,10 @@ def validate(
     console.print(
         f"{spec_file}: ok ({spec.trainer.model}, {spec.world_size} worker(s), backend {spec.resources.backend})"
     )
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _print_summary(out: Path) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,9 +24,7 @@ class Rendered:
 
 
 class RunHandle(Protocol):
-    def lines(self) -> Iterator[str]:
-        """Console output of the job (every rank, labelled), until it ends."""
-        ...
+    """A started job. Its output is not here: every engine leaves per-rank logs in `outputs.dir/logs`."""
 
     def poll(self) -> int | None: ...
 

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
 
 from clusterfit.backends.base import Rendered
+from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
 from clusterfit.spec.model import JobSpec
 
 RESOLVED_SPEC = "job.yaml"
-LOG_DIR = "logs"
 _CANCEL_GRACE_S = 20.0
 
 
@@ -39,8 +39,7 @@ def torchrun_command(spec: JobSpec, *, python: str = sys.executable) -> list[str
         "--nnodes=1",
         f"--nproc-per-node={dist.process_count_per_instance}",
         f"--max-restarts={dist.max_restarts}",
-        "--logs-specs=clusterfit", f"--log-dir={out / LOG_DIR}", "--tee=3",
-        "--log-line-prefix-template=[rank${rank}] ",
+        "--logs-specs=clusterfit", f"--log-dir={out / LOG_DIR}",
         "-m", "clusterfit.worker", "--spec", str(out / RESOLVED_SPEC),
     ]  # fmt: skip
 
@@ -61,27 +60,26 @@ class LocalBackend:
         rendered = self.dry_run(spec)
         for path, content in rendered.files.items():
             _write_atomically(Path(path), content)
-        process = subprocess.Popen(
-            rendered.command,
-            env={**os.environ, **rendered.env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
-            start_new_session=True,  # its own process group, so cancel reaches the agent and every worker
-        )
+        log_dir = Path(spec.outputs.dir) / LOG_DIR
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # NOTE: the agent writes to a file, never to a pipe: a pipe whose reader died breaks torchrun's
+        # log tailing threads and leaves the agent hanging at exit.
+        with open(log_dir / AGENT_LOG, "a") as agent_log:
+            process = subprocess.Popen(
+                rendered.command,
+                env={**os.environ, **rendered.env},
+                stdout=agent_log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: cancel reaches the agent and every worker
+                preexec_fn=_stop_when_launcher_dies,
+            )
         return LocalRun(process)
 
 
 class LocalRun:
-    def __init__(self, process: subprocess.Popen[str]) -> None:
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process
-
-    def lines(self) -> Iterator[str]:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            yield line.rstrip("\n")
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -100,6 +98,14 @@ class LocalRun:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)  # also reaps workers that outlived the agent
         self.process.wait()
+
+
+def _stop_when_launcher_dies() -> None:
+    # NOTE: runs in the child before exec. If the launcher is killed outright (SIGKILL, OOM killer), the
+    # kernel sends the agent SIGTERM, and the agent stops its workers: a dead launcher leaves no orphans.
+    if sys.platform == "linux":
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _write_atomically(path: Path, content: str) -> None:

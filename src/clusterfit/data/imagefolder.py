@@ -4,40 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
+from torchvision.datasets.folder import make_dataset
 from torchvision.transforms import v2
 
-from clusterfit.spec.errors import SpecError
-
-
-@dataclass(frozen=True)
-class FolderInfo:
-    classes: list[str]
-    image_count: int
-
-
-def inspect_folder(root: str, field: str) -> FolderInfo:
-    """Check that `root` is an ImageNet-layout folder; every problem becomes a one-line SpecError."""
-    path = Path(root)
-    if not path.exists():
-        raise SpecError(f"{field} = {root!r}: no such folder; give an ImageNet-layout folder (<class>/<image>.jpg)")
-    if not path.is_dir():
-        raise SpecError(f"{field} = {root!r}: is a file; give a folder of class subfolders (<class>/<image>.jpg)")
-    classes = sorted(entry.name for entry in path.iterdir() if entry.is_dir() and not entry.name.startswith("."))
-    if not classes:
-        raise SpecError(f"{field} = {root!r}: has no class subfolders; expected {root}/<class>/<image>.jpg")
-    if classes == ["train"] or set(classes) >= {"train", "val"}:
-        raise SpecError(f"{field} = {root!r}: holds a train/ folder; point {field} at {root.rstrip('/')}/train")
-    count = sum(1 for cls in classes for f in (path / cls).iterdir() if f.suffix.lower() in IMG_EXTENSIONS)
-    if count == 0:
-        raise SpecError(f"{field} = {root!r}: its class folders hold no images ({', '.join(IMG_EXTENSIONS)})")
-    return FolderInfo(classes=classes, image_count=count)
+from clusterfit.data.folders import IMG_EXTENSIONS
 
 
 class LabeledImages(Dataset):

@@ -1,11 +1,10 @@
-"""Follow a running job from the launcher: every rank's labelled lines, and a progress bar fed by
-rank 0's metrics.jsonl (so the bar works the same whichever engine runs the workers)."""
+"""Follow a running job from the launcher: every rank's labelled log lines, and a progress bar fed by
+rank 0's metrics.jsonl, both read from the outputs folder so it works the same for any engine."""
 
 from __future__ import annotations
 
 import json
-import queue
-import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from clusterfit.backends.base import RunHandle
+from clusterfit.monitoring.logtail import LOG_DIR, LogFollower
 from clusterfit.monitoring.sinks import METRICS_FILE
+
+_POLL_S = 0.2
 
 
 class MetricsTail:
@@ -31,48 +33,35 @@ class MetricsTail:
             f.seek(self.offset)
             chunk = f.read()
             self.offset = f.tell()
-        text = self._partial + chunk
-        lines = text.split("\n")
+        lines = (self._partial + chunk).split("\n")
         self._partial = lines.pop()
         return [json.loads(line) for line in lines if line.strip()]
 
 
-def follow(handle: RunHandle, outputs_dir: Path, console: Console) -> int:
-    """Print the job's output and a progress bar until it ends; returns its exit code."""
-    lines: queue.Queue[str | None] = queue.Queue()
+class JobWatch:
+    """Opened before the job starts, so it shows everything this run writes and nothing of earlier runs."""
 
-    def pump() -> None:
-        for line in handle.lines():
-            lines.put(line)
-        lines.put(None)
+    def __init__(self, outputs_dir: Path) -> None:
+        self.logs = LogFollower(outputs_dir / LOG_DIR)
+        self.metrics = MetricsTail(outputs_dir / METRICS_FILE)
 
-    threading.Thread(target=pump, daemon=True).start()
-    metrics = MetricsTail(outputs_dir / METRICS_FILE)
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console, transient=False) as bar:
+
+def follow(handle: RunHandle, watch: JobWatch, console: Console) -> int:
+    """Print the job's log lines and a progress bar until it ends; returns its exit code."""
+    logs, metrics = watch.logs, watch.metrics
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+    with Progress(*columns, console=console) as bar:
         task = bar.add_task("starting", total=None, stats="")
-        output_open = True
-        while output_open:
-            try:
-                line = lines.get(timeout=0.25)
-                while line is not None:
-                    bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
-                    line = lines.get_nowait()
-                output_open = False  # None: the job's output closed
-            except queue.Empty:
-                pass
+        while True:
+            code = handle.poll()
+            for line in logs.drain() if code is not None else logs.poll():
+                bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
             for record in metrics.read_new():
                 _update(bar, task, record)
-        for record in metrics.read_new():
-            _update(bar, task, record)
-    return handle.wait()
+            if code is not None:
+                return code
+            time.sleep(_POLL_S)
 
 
 def _update(bar: Progress, task: Any, record: dict[str, Any]) -> None:
@@ -84,6 +73,3 @@ def _update(bar: Progress, task: Any, record: dict[str, Any]) -> None:
         bar.update(task, completed=record["step"], stats=stats, description="training")
     elif kind == "end":
         bar.update(task, completed=record["step"], description="done")
-
-
-__all__ = ["MetricsTail", "follow"]

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from clusterfit.data import IMAGENET_MEAN, IMAGENET_STD
+from clusterfit.data.loaders import IMAGENET_MEAN, IMAGENET_STD
 from clusterfit.models import build_model
 from clusterfit.worker.export import WEIGHTS_FILE
 

@@ -25,10 +25,10 @@ class DataSpec(_Strict):
 
     @model_validator(mode="after")
     def _val_is_not_train(self) -> DataSpec:
-        if self.val is not None and self.val.rstrip("/") == self.train.rstrip("/"):
-            raise ValueError(f"val is the train folder {self.train!r}; give a separate validation folder or null")
         if self.val == SYNTHETIC:
             raise ValueError("val cannot be 'synthetic'; use null to skip validation")
+        if self.val is not None and self.val.rstrip("/") == self.train.rstrip("/"):
+            raise ValueError(f"val is the train folder {self.train!r}; give a separate validation folder or null")
         if self.train == SYNTHETIC and self.num_classes is None:
             raise ValueError("synthetic data needs num_classes (e.g. 1000)")
         return self

@@ -3,7 +3,6 @@ rank has written its part, verified by checksum on load, never unpickling code."
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -19,17 +18,18 @@ import numpy as np
 import torch
 
 from clusterfit.worker.dist import DistEnv, barrier
+from clusterfit.worker.manifest import (
+    MANIFEST,
+    SHARED_STATE,
+    TMP_PREFIX,
+    checkpoint_name,
+    published,
+    read_manifest,
+    sha256_of,
+    verify,
+)
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-SHARED_STATE = "state.pt"
-_PREFIX = "step-"
-_TMP_PREFIX = ".tmp-"
-
-
-def checkpoint_name(step: int) -> str:
-    return f"{_PREFIX}{step:08d}"
 
 
 def rank_file(rank: int) -> str:
@@ -72,10 +72,6 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    return json.loads((path / MANIFEST).read_text())
-
-
 class CheckpointStore:
     def __init__(self, root: str | Path, keep: int, env: DistEnv) -> None:
         self.root = Path(root)
@@ -83,16 +79,12 @@ class CheckpointStore:
         self.env = env
 
     def complete(self) -> list[Path]:
-        """Published checkpoints, newest first. Only folders with a manifest count."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.iterdir() if p.name.startswith(_PREFIX) and (p / MANIFEST).is_file()]
-        return sorted(found, key=lambda p: p.name, reverse=True)
+        return published(self.root)
 
     def save(self, step: int, shared: dict[str, Any], own: dict[str, Any], info: dict[str, Any]) -> Path:
         """Collective: every rank calls it. `shared` is written by rank 0 only, `own` by every rank."""
         final = self.root / checkpoint_name(step)
-        tmp = self.root / f"{_TMP_PREFIX}{checkpoint_name(step)}"
+        tmp = self.root / f"{TMP_PREFIX}{checkpoint_name(step)}"
         if self.env.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
@@ -104,7 +96,7 @@ class CheckpointStore:
         # NOTE: the checkpoint only exists once every rank has written its part.
         barrier(self.env)
         if self.env.is_main:
-            files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(tmp.iterdir())}
+            files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_of(f)} for f in sorted(tmp.iterdir())}
             manifest = {"step": step, "world_size": self.env.world_size, "created": time.time(), "files": files, **info}
             _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
             if final.exists():
@@ -131,31 +123,12 @@ class CheckpointStore:
     def clean_partial(self) -> None:
         """Remove temp folders of checkpoints that a crash interrupted; they were never published."""
         if self.env.is_main and self.root.is_dir():
-            for stale in self.root.glob(f"{_TMP_PREFIX}*"):
+            for stale in self.root.glob(f"{TMP_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
 
     def _prune(self) -> None:
         for old in self.complete()[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def verify(path: Path) -> str | None:
-    """None if every file in the manifest is present with its size and checksum, else what is wrong."""
-    try:
-        manifest = read_manifest(path)
-    except (OSError, ValueError) as exc:
-        return f"manifest unreadable: {exc}"
-    for name, expected in manifest.get("files", {}).items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} missing"
-        if file.stat().st_size != expected["bytes"]:
-            return f"{name} has {file.stat().st_size} bytes, expected {expected['bytes']}"
-        if _sha256(file) != expected["sha256"]:
-            return f"{name} checksum mismatch"
-    if SHARED_STATE not in manifest.get("files", {}):
-        return f"{SHARED_STATE} not listed"
-    return None
 
 
 def _serialize(obj: Any) -> bytes:
@@ -177,11 +150,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

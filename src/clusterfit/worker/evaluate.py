@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from clusterfit.data import normalize_on_device
+from clusterfit.data.loaders import normalize_on_device
 from clusterfit.worker.dist import DistEnv, all_reduce_sum
 from clusterfit.worker.precision import Precision
 

@@ -4,6 +4,7 @@ job spec, and knows nothing of the engine that started it."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,7 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from clusterfit import __version__
-from clusterfit.data import build_train_data, build_val_loader, inspect_data, normalize_on_device
+from clusterfit.data.folders import inspect_data
+from clusterfit.data.loaders import build_train_data, build_val_loader, normalize_on_device
 from clusterfit.models import build_model
 from clusterfit.monitoring.sinks import open_metric_sinks
 from clusterfit.spec.model import JobSpec
@@ -22,13 +24,13 @@ from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_r
 from clusterfit.worker.dist import DistEnv, all_reduce_sum, init_distributed, pick_device
 from clusterfit.worker.evaluate import evaluate
 from clusterfit.worker.export import export_model
+from clusterfit.worker.manifest import CHECKPOINT_DIR
 from clusterfit.worker.optim import build_optimizer, build_schedule, scaled_lr
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
 from clusterfit.worker.summary import write_summary
 
 log = logging.getLogger("clusterfit.train")
 
-CHECKPOINT_DIR = "checkpoints"
 MODEL_DIR = "model"
 
 
@@ -69,6 +71,15 @@ def train(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
     out = Path(spec.outputs.dir)
     device = pick_device(env)
     init_distributed(env, device)
+    log.info(
+        "rank %d of %d (local rank %d) on %s, %d CPU threads, pid %d",
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        device,
+        torch.get_num_threads(),
+        os.getpid(),
+    )
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     precision = resolve_precision(trainer.precision, device)

@@ -1,0 +1,79 @@
+"""ImageNet-layout folders (root/<class>/<image>) checked without importing torch, so the launcher stays light."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from clusterfit.spec.errors import SpecError
+from clusterfit.spec.model import DataSpec, TrainerSpec
+
+# The extensions torchvision's ImageFolder accepts.
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+@dataclass(frozen=True)
+class FolderInfo:
+    classes: list[str]
+    image_count: int
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What the trainer must know about the data before building the model."""
+
+    classes: list[str]
+    train_images: int
+    val_images: int
+
+
+def inspect_folder(root: str, field: str) -> FolderInfo:
+    """Check that `root` is an ImageNet-layout folder; every problem becomes a one-line SpecError."""
+    path = Path(root)
+    if not path.exists():
+        raise SpecError(f"{field} = {root!r}: no such folder; give an ImageNet-layout folder (<class>/<image>.jpg)")
+    if not path.is_dir():
+        raise SpecError(f"{field} = {root!r}: is a file; give a folder of class subfolders (<class>/<image>.jpg)")
+    classes = sorted(entry.name for entry in path.iterdir() if entry.is_dir() and not entry.name.startswith("."))
+    if not classes:
+        raise SpecError(f"{field} = {root!r}: has no class subfolders; expected {root}/<class>/<image>.jpg")
+    if classes == ["train"] or set(classes) >= {"train", "val"}:
+        raise SpecError(f"{field} = {root!r}: holds a train/ folder; point {field} at {root.rstrip('/')}/train")
+    count = sum(1 for cls in classes for f in (path / cls).iterdir() if f.suffix.lower() in IMG_EXTENSIONS)
+    if count == 0:
+        raise SpecError(f"{field} = {root!r}: its class folders hold no images ({', '.join(IMG_EXTENSIONS)})")
+    return FolderInfo(classes=classes, image_count=count)
+
+
+def inspect_data(data: DataSpec) -> DataFacts:
+    """Check the spec's data against the file system; raises SpecError naming the field to fix."""
+    if data.is_synthetic:
+        assert data.num_classes is not None
+        return DataFacts([str(i) for i in range(data.num_classes)], data.synthetic_images, 0)
+    train = inspect_folder(data.train, "trainer.data.train")
+    if data.num_classes is not None and data.num_classes != len(train.classes):
+        raise SpecError(
+            f"trainer.data.num_classes = {data.num_classes}: {data.train} has {len(train.classes)} class folders; "
+            "remove num_classes or make them agree"
+        )
+    val_images = 0
+    if data.val is not None:
+        val = inspect_folder(data.val, "trainer.data.val")
+        unknown = sorted(set(val.classes) - set(train.classes))
+        if unknown:
+            raise SpecError(
+                f"trainer.data.val: classes {unknown[:5]} are not in trainer.data.train; they cannot be scored"
+            )
+        val_images = val.image_count
+    return DataFacts(train.classes, train.image_count, val_images)
+
+
+def steps_per_epoch(trainer: TrainerSpec, facts: DataFacts, world_size: int) -> int:
+    global_batch = trainer.batch_size * world_size
+    full = facts.train_images // global_batch
+    if full == 0:
+        raise SpecError(
+            f"trainer.batch_size = {trainer.batch_size}: {world_size} workers need {global_batch} images per step "
+            f"but the training data has {facts.train_images}; lower batch_size or the worker count"
+        )
+    return min(full, trainer.steps_per_epoch) if trainer.steps_per_epoch else full

@@ -1,0 +1,99 @@
+"""Training and validation data for the worker: synthetic batches or ImageNet-layout folders.
+
+Every source yields (uint8 NCHW images, int64 labels); normalisation happens on the device, where it is cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from clusterfit.data.folders import DataFacts, steps_per_epoch
+from clusterfit.data.imagefolder import (
+    FolderTrainData,
+    LabeledImages,
+    ResumableSampler,
+    ShardSampler,
+    list_samples,
+    train_transform,
+    val_transform,
+)
+from clusterfit.data.synthetic import SyntheticData
+from clusterfit.spec.model import DataSpec, TrainerSpec
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class TrainData(Protocol):
+    steps_per_epoch: int
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def loader_workers(data: DataSpec, local_world_size: int) -> int:
+    if data.loader_workers is not None:
+        return data.loader_workers
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(8, cores // max(1, local_world_size)))
+
+
+def build_train_data(
+    trainer: TrainerSpec, facts: DataFacts, *, rank: int, world_size: int, local_world_size: int, pin_memory: bool
+) -> TrainData:
+    steps = steps_per_epoch(trainer, facts, world_size)
+    data = trainer.data
+    if data.is_synthetic:
+        return SyntheticData(
+            image_size=data.image_size,
+            num_classes=len(facts.classes),
+            batch_size=trainer.batch_size,
+            rank=rank,
+            world_size=world_size,
+            steps_per_epoch=steps,
+            seed=trainer.seed,
+        )
+    dataset = LabeledImages(list_samples(data.train, facts.classes), train_transform(data.image_size))
+    sampler = ResumableSampler(
+        DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=trainer.seed, drop_last=True)
+    )
+    workers = loader_workers(data, local_world_size)
+    loader = DataLoader(
+        dataset,
+        batch_size=trainer.batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        drop_last=True,
+        persistent_workers=workers > 0,
+        generator=torch.Generator().manual_seed(trainer.seed + rank),
+    )
+    return FolderTrainData(loader, sampler, steps, trainer.batch_size)
+
+
+def build_val_loader(
+    trainer: TrainerSpec, facts: DataFacts, *, rank: int, world_size: int, local_world_size: int, pin_memory: bool
+) -> DataLoader | None:
+    data = trainer.data
+    if data.val is None:
+        return None
+    dataset = LabeledImages(list_samples(data.val, facts.classes), val_transform(data.image_size))
+    return DataLoader(
+        dataset,
+        batch_size=trainer.batch_size,
+        sampler=ShardSampler(len(dataset), rank, world_size),
+        num_workers=loader_workers(data, local_world_size),
+        pin_memory=pin_memory,
+    )
+
+
+def normalize_on_device(images: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
+    """uint8 NCHW on the host -> normalised float on the device; the copy moves 4x fewer bytes than float."""
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
+    out = (images.to(device, non_blocking=True).float() - mean) / std
+    return out.contiguous(memory_format=torch.channels_last) if channels_last else out

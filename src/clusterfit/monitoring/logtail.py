@@ -1,0 +1,94 @@
+"""Follow the log files of a job as they grow: every rank's `rank-N.log` and the agent's log, labelled.
+
+Reading files (not pipes) means a launcher that dies or detaches never stalls or breaks the job, and the
+same follower works for any engine whose logs land in the outputs folder.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+_CURRENT_RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
+LOG_DIR = "logs"  # under outputs.dir, for every engine
+AGENT_LOG = "agent.log"
+
+
+@dataclass
+class _OpenLog:
+    file: IO[str]
+    inode: int
+    partial: str = ""
+
+
+class LogFollower:
+    """Yields complete new lines of `<log_dir>/rank-N.log` (reopened when a restart rotates it) and agent.log."""
+
+    def __init__(self, log_dir: Path, from_start: bool = False) -> None:
+        self.log_dir = log_dir
+        self._open: dict[str, _OpenLog] = {}
+        if not from_start:  # skip what earlier runs wrote; rotation gives new files anyway
+            for name, path in self._current_files().items():
+                self._open[name] = self._open_at(path, end=True)
+
+    def poll(self) -> list[str]:
+        lines: list[str] = []
+        for name, path in sorted(self._current_files().items(), key=lambda item: _order(item[0])):
+            label = f"[{_label(name)}] "
+            entry = self._open.get(name)
+            if entry is not None and _inode(path) != entry.inode:  # rotated: finish the old file first
+                lines += [label + line for line in self._read(entry, final=True)]
+                entry.file.close()
+                entry = None
+            if entry is None:
+                entry = self._open[name] = self._open_at(path, end=False)
+            lines += [label + line for line in self._read(entry, final=False)]
+        return lines
+
+    def drain(self) -> list[str]:
+        """Everything left, including a last line without a newline; then close the files."""
+        lines = self.poll()
+        for name, entry in self._open.items():
+            lines += [f"[{_label(name)}] {line}" for line in self._read(entry, final=True)]
+            entry.file.close()
+        self._open.clear()
+        return lines
+
+    def _current_files(self) -> dict[str, Path]:
+        if not self.log_dir.is_dir():
+            return {}
+        return {p.name: p for p in self.log_dir.iterdir() if _CURRENT_RANK_LOG.match(p.name) or p.name == AGENT_LOG}
+
+    @staticmethod
+    def _open_at(path: Path, end: bool) -> _OpenLog:
+        file = open(path, errors="replace")  # noqa: SIM115 - kept open while following
+        if end:
+            file.seek(0, os.SEEK_END)
+        return _OpenLog(file, os.fstat(file.fileno()).st_ino)
+
+    @staticmethod
+    def _read(entry: _OpenLog, final: bool) -> list[str]:
+        text = entry.partial + entry.file.read()
+        parts = text.split("\n")
+        entry.partial = "" if final else parts.pop()
+        return [part for part in parts if part or not final]
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _label(name: str) -> str:
+    match = _CURRENT_RANK_LOG.match(name)
+    return f"rank{match.group(1)}" if match else "torchrun"
+
+
+def _order(name: str) -> int:
+    match = _CURRENT_RANK_LOG.match(name)
+    return int(match.group(1)) if match else -1

@@ -1,0 +1,162 @@
+"""The job spec: examples load, every user mistake becomes one line naming the field and the fix."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_cli, tiny_job, write_job
+
+from clusterfit.launch import preflight
+from clusterfit.spec import SpecError, apply_override, load_spec, validate_spec
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_valid(path: Path) -> None:
+    spec = load_spec(path)
+    assert spec.trainer.model.startswith("resnet")
+    assert spec.world_size == 2
+
+
+def test_overrides_keep_yaml_types() -> None:
+    spec = load_spec(EXAMPLES[0], ["trainer.epochs=3", "trainer.steps_per_epoch=null", "trainer.channels_last=false"])
+    assert spec.trainer.epochs == 3
+    assert spec.trainer.steps_per_epoch is None
+    assert spec.trainer.channels_last is False
+
+
+def _set(raw: dict, dotted: str, value: object) -> dict:
+    raw = copy.deepcopy(raw)
+    *parents, last = dotted.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = value
+    return raw
+
+
+BAD_SPECS = [
+    ("trainer.modle", "resnet18", "trainer.modle: unknown key; allowed keys here: model, norm_layer, data"),
+    ("trainer.batch_size", 0, "trainer.batch_size = 0: Input should be greater than or equal to 1"),
+    ("trainer.batch_size", "big", "trainer.batch_size = 'big': Input should be a valid integer"),
+    ("trainer.model", "vgg16", "trainer.model = 'vgg16': Input should be 'resnet18', 'resnet34'"),
+    ("trainer.precision", "fp8", "trainer.precision = 'fp8': Input should be 'auto', 'fp32', 'bf16' or 'fp16'"),
+    ("trainer.optimizer.lr", -1, "trainer.optimizer.lr = -1: Input should be greater than 0"),
+    ("trainer.data.val", "synthetic", "trainer.data: val cannot be 'synthetic'"),
+    ("trainer.data.num_classes", None, "trainer.data: synthetic data needs num_classes"),
+    ("distribution.process_count_per_instance", 0, "distribution.process_count_per_instance = 0: Input should be"),
+    ("resources.backend", "yarn", "resources.backend = 'yarn': Input should be 'local'"),
+    ("resources.instance_count", 2, "resources.instance_count is 2 but the local backend runs on one machine"),
+    ("name", "has space", "name = 'has space': String should match pattern"),
+    ("outputs", None, "outputs = None: Input should be a valid dictionary"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BAD_SPECS, ids=[f"{f}={v}" for f, v, _ in BAD_SPECS])
+def test_bad_spec_gives_one_line(tmp_path: Path, field: str, value: object, message: str) -> None:
+    raw = _set(tiny_job(tmp_path / "out"), field, value)
+    with pytest.raises(SpecError) as caught:
+        validate_spec(raw, source="job.yaml")
+    text = str(caught.value)
+    assert "\n" not in text
+    assert text.startswith("job.yaml: ")
+    assert message in text
+
+
+def test_val_equal_to_train_is_refused(tmp_path: Path, tiny_imagefolder: Path) -> None:
+    train = str(tiny_imagefolder / "train")
+    raw = tiny_job(tmp_path / "out", data={"train": train, "val": train + "/", "image_size": 32, "num_classes": None})
+    with pytest.raises(SpecError, match="val is the train folder"):
+        validate_spec(raw)
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ("missing", "trainer.data.train = '{root}': no such folder"),
+        ("empty", "trainer.data.train = '{root}': has no class subfolders"),
+        ("no_images", "trainer.data.train = '{root}': its class folders hold no images"),
+        ("parent", "holds a train/ folder; point trainer.data.train at {root}/train"),
+        ("file", "trainer.data.train = '{root}': is a file"),
+    ],
+)
+def test_bad_data_folder_is_refused_before_launch(
+    tmp_path: Path, tiny_imagefolder: Path, layout: str, message: str
+) -> None:
+    root = {
+        "missing": tmp_path / "nope",
+        "empty": tmp_path / "empty",
+        "no_images": tmp_path / "noimg",
+        "parent": tiny_imagefolder,
+        "file": tmp_path / "afile",
+    }[layout]
+    if layout == "empty":
+        root.mkdir()
+    if layout == "no_images":
+        (root / "cat").mkdir(parents=True)
+        (root / "cat" / "notes.txt").write_text("not an image")
+    if layout == "file":
+        root.write_text("x")
+    raw = tiny_job(tmp_path / "out", data={"train": str(root), "image_size": 32, "num_classes": None})
+    with pytest.raises(SpecError) as caught:
+        preflight(validate_spec(raw))
+    assert message.format(root=root) in str(caught.value)
+
+
+def test_too_little_data_for_one_global_batch(tmp_path: Path, tiny_imagefolder: Path) -> None:
+    raw = tiny_job(
+        tmp_path / "out",
+        batch_size=40,
+        data={"train": str(tiny_imagefolder / "train"), "image_size": 32, "num_classes": None},
+    )
+    with pytest.raises(SpecError, match="2 workers need 80 images per step but the training data has 48"):
+        preflight(validate_spec(raw))
+
+
+def test_num_classes_must_match_folders(tmp_path: Path, tiny_imagefolder: Path) -> None:
+    raw = tiny_job(
+        tmp_path / "out", data={"train": str(tiny_imagefolder / "train"), "image_size": 32, "num_classes": 5}
+    )
+    with pytest.raises(SpecError, match="num_classes = 5: .* has 3 class folders"):
+        preflight(validate_spec(raw))
+
+
+def test_override_into_a_value_is_refused() -> None:
+    with pytest.raises(SpecError, match="trainer.model is 'resnet18', not a section"):
+        apply_override({"trainer": {"model": "resnet18"}}, "trainer.model.depth=3")
+    with pytest.raises(SpecError, match="expected KEY=VALUE"):
+        apply_override({}, "trainer.epochs")
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("name: x\ntrainer: {model: [\n")
+    with pytest.raises(SpecError, match=r"job.yaml: .* at line \d+"):
+        load_spec(path)
+
+
+def test_cli_prints_one_line_and_no_traceback(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", tiny_job(tmp_path / "out"))
+    result = run_cli("run", str(job), "--set", "trainer.batch_size=0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"error: {job}: trainer.batch_size = 0: Input should be greater than or equal to 1"
+    ]
+    assert not (tmp_path / "out").exists(), "nothing may be written for a refused spec"
+
+
+def test_dry_run_prints_spec_and_command_and_starts_nothing(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", tiny_job(tmp_path / "out"))
+    result = run_cli("run", str(job), "--dry-run", "--set", "trainer.epochs=3")
+    assert result.returncode == 0, result.stderr
+    resolved, command = result.stdout.split("# local backend command")
+    assert resolved.startswith(f"# {tmp_path / 'out' / 'job.yaml'}")
+    assert yaml.safe_load(resolved)["trainer"]["epochs"] == 3
+    assert "-m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=2" in command
+    assert f"-m clusterfit.worker --spec {tmp_path / 'out' / 'job.yaml'}" in command
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,100 @@
+"""Pure pieces of the worker and the local engine, without any process launched."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from clusterfit.backends.local import threads_per_worker
+from clusterfit.backends.rank_logs import rotate
+from clusterfit.data.imagefolder import ShardSampler
+from clusterfit.data.synthetic import SyntheticData
+from clusterfit.models import build_model
+from clusterfit.spec.model import OptimizerSpec
+from clusterfit.worker.optim import build_optimizer, lr_factor, scaled_lr
+from clusterfit.worker.precision import cpu_has_native_bf16, resolve_precision
+
+
+def test_linear_lr_scaling() -> None:
+    assert scaled_lr(OptimizerSpec(lr=0.1), global_batch=1024) == pytest.approx(0.4)
+    assert scaled_lr(OptimizerSpec(lr=0.1), global_batch=128) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize(
+    ("step", "kind", "expected"),
+    [
+        (0, "cosine", 1 / 10),  # warm-up starts near zero...
+        (9, "cosine", 1.0),  # ...and reaches the peak at its last step
+        (10, "cosine", 1.0),
+        (55, "cosine", 0.5),  # half-way through the decay
+        (100, "cosine", 0.0),
+        (55, "linear", 0.5),
+        (80, "constant", 1.0),
+    ],
+)
+def test_lr_schedule(step: int, kind: str, expected: float) -> None:
+    assert lr_factor(step, total_steps=100, warmup_steps=10, kind=kind) == pytest.approx(expected, abs=1e-9)
+
+
+def test_cosine_is_monotone_after_warmup() -> None:
+    values = [lr_factor(s, 50, 5, "cosine") for s in range(5, 51)]
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
+    assert math.isclose(values[-1], 0.0, abs_tol=1e-12)
+
+
+def test_no_weight_decay_on_norm_and_bias() -> None:
+    model = build_model("resnet_tiny", 10)
+    optimizer = build_optimizer(model, OptimizerSpec(weight_decay=1e-4), global_batch=256)
+    decayed, plain = optimizer.param_groups
+    assert decayed["weight_decay"] == 1e-4 and plain["weight_decay"] == 0.0
+    assert all(p.ndim > 1 for p in decayed["params"])
+    bn = model.bn1
+    assert any(p is bn.weight for p in plain["params"]) and any(p is model.fc.bias for p in plain["params"])
+
+
+def test_synthetic_batches_split_one_global_batch_across_ranks() -> None:
+    whole = SyntheticData(image_size=8, num_classes=5, batch_size=6, rank=0, world_size=1, steps_per_epoch=3, seed=1)
+    halves = [
+        SyntheticData(image_size=8, num_classes=5, batch_size=3, rank=r, world_size=2, steps_per_epoch=3, seed=1)
+        for r in range(2)
+    ]
+    for step, (images, labels) in enumerate(whole.batches(0)):
+        parts = [list(h.batches(0))[step] for h in halves]
+        assert torch.equal(images, torch.cat([p[0] for p in parts]))
+        assert torch.equal(labels, torch.cat([p[1] for p in parts]))
+        assert images.dtype == torch.uint8
+    assert len(list(whole.batches(0, start_step=2))) == 1
+
+
+def test_validation_shards_cover_each_sample_once() -> None:
+    shards = [list(ShardSampler(15, rank, 4)) for rank in range(4)]
+    assert sorted(i for shard in shards for i in shard) == list(range(15))
+
+
+def test_threads_never_oversubscribe() -> None:
+    assert threads_per_worker(2, cores=2) == 1
+    assert threads_per_worker(4, cores=2) == 1
+    assert threads_per_worker(2, cores=16) == 8
+
+
+def test_precision_auto_follows_the_hardware() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu).name == ("bf16" if cpu_has_native_bf16() else "fp32")
+    assert resolve_precision("fp32", cpu).autocast_dtype is None
+    assert resolve_precision("bf16", cpu).autocast_dtype is torch.bfloat16
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp16' needs a CUDA GPU"):
+            resolve_precision("fp16", cpu)
+
+
+def test_rank_log_rotation_keeps_every_attempt(tmp_path: Path) -> None:
+    log = tmp_path / "rank-0.log"
+    for attempt in range(3):
+        rotate(log)
+        log.write_text(f"attempt {attempt}")
+    assert log.read_text() == "attempt 2"
+    assert (tmp_path / "rank-0.log.1").read_text() == "attempt 1"
+    assert (tmp_path / "rank-0.log.2").read_text() == "attempt 0"
