@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import cli_command, exported_weights, max_abs_difference, run_cli, tiny_job, write_job
 
@@ -51,22 +54,34 @@ def _worker_pids(marker: str) -> list[int]:
     return pids
 
 
-def test_killed_job_resumes_to_the_same_weights(tmp_path: Path) -> None:
-    """Train 16 steps straight vs. kill the launcher after the first checkpoint and rerun: same weights."""
-    settings = {"norm_layer": "group", "steps_per_epoch": 8, "epochs": 2, "checkpoint": {"every_steps": 3, "keep": 2}}
-    _run_ok(write_job(tmp_path / "straight.yaml", tiny_job(tmp_path / "straight", **settings)))
+RESUME_SETTINGS = {"norm_layer": "group", "steps_per_epoch": 8, "epochs": 2,
+                   "checkpoint": {"every_steps": 3, "keep": 2}}
 
-    out = tmp_path / "resumed"
-    job = write_job(tmp_path / "resumed.yaml", tiny_job(out, **settings))
-    launcher = subprocess.Popen(
-        cli_command("run", str(job)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """16 steps without interruption: the reference the interrupted runs must reproduce."""
+    root = tmp_path_factory.mktemp("straight")
+    _run_ok(write_job(root / "job.yaml", tiny_job(root / "out", **RESUME_SETTINGS)))
+    return root / "out"
+
+
+def _wait_for_first_checkpoint(out: Path, launcher: subprocess.Popen) -> None:
     deadline = time.monotonic() + 180
     while not list((out / "checkpoints").glob("step-*/manifest.json")):
         assert launcher.poll() is None, "the job ended before its first checkpoint"
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    launcher.kill()  # SIGKILL: no chance to clean up
+
+
+def test_killed_job_resumes_to_the_same_weights(tmp_path: Path, straight_run: Path) -> None:
+    """Kill the launcher (SIGKILL) after the first checkpoint, rerun: no orphans, same weights as straight."""
+    out = tmp_path / "resumed"
+    job = write_job(tmp_path / "resumed.yaml", tiny_job(out, **RESUME_SETTINGS))
+    launcher = subprocess.Popen(cli_command("run", str(job)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    _wait_for_first_checkpoint(out, launcher)
+    launcher.kill()  # no chance to clean up
     launcher.wait()
     deadline = time.monotonic() + 60
     while _worker_pids(str(out)):
@@ -76,9 +91,28 @@ def test_killed_job_resumes_to_the_same_weights(tmp_path: Path) -> None:
 
     rerun = _run_ok(job)
     assert "resuming from" in rerun.stdout
-    assert max_abs_difference(exported_weights(out), exported_weights(tmp_path / "straight")) < 1e-6
+    assert max_abs_difference(exported_weights(out), exported_weights(straight_run)) < 1e-6
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 16
+
+
+def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path) -> None:
+    """SIGKILL one worker mid-training: torchrun restarts the group (max_restarts=1), the job resumes from
+    its last checkpoint, finishes with the straight run's weights, and the dead attempt's log is kept."""
+    out = tmp_path / "restarted"
+    spec = tiny_job(out, **RESUME_SETTINGS)
+    spec["distribution"]["max_restarts"] = 1
+    job = write_job(tmp_path / "job.yaml", spec)
+    launcher = subprocess.Popen(cli_command("run", str(job)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    _wait_for_first_checkpoint(out, launcher)
+    rank1_pid = int(re.search(r"rank 1 of 2 .* pid (\d+)", (out / "logs" / "rank-1.log").read_text()).group(1))
+    os.kill(rank1_pid, signal.SIGKILL)
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "resuming from" in (out / "logs" / "rank-0.log").read_text()
+    assert "rank 1 of 2" in (out / "logs" / "rank-1.log.1").read_text(), "the failed attempt's log must be kept"
+    assert max_abs_difference(exported_weights(out), exported_weights(straight_run)) < 1e-6
 
 
 def test_imagefolder_end_to_end(tmp_path: Path, tiny_imagefolder: Path) -> None:
@@ -138,3 +172,20 @@ def test_synthetic_end_to_end_and_rerun_of_a_finished_job(tmp_path: Path) -> Non
     assert "resuming from" in second.stdout
     assert max_abs_difference(exported_weights(tmp_path / "out"), weights) == 0.0
     assert (tmp_path / "out" / "logs" / "rank-0.log.1").exists(), "the first run's logs are kept"
+
+
+def test_failed_job_names_the_rank_and_the_exception(tmp_path: Path, tiny_imagefolder: Path) -> None:
+    """A worker that raises: the launcher exits 1 and says which rank failed and why, in one line each."""
+    # NOTE: today an undecodable image stops the job; when bad images are skipped instead, pick another fault.
+    (tiny_imagefolder / "train" / "class_0" / "0000.jpg").write_bytes(b"not a jpeg at all")
+    job = tiny_job(tmp_path / "out", steps_per_epoch=None, batch_size=8,
+                   data={"train": str(tiny_imagefolder / "train"), "image_size": 32, "num_classes": None,
+                         "loader_workers": 0})
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 1
+    errors = result.stderr.strip().splitlines()
+    assert errors[0] == "error: job tiny failed (exit code 1)"
+    assert any(line.startswith("error: rank ") and "UnidentifiedImageError: cannot identify image file" in line
+               and "0000.jpg" in line for line in errors), errors
+    assert errors[-1] == f"error: every rank's log is in {tmp_path / 'out' / 'logs'}"
+    assert "Traceback" not in result.stderr

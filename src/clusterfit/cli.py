@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from clusterfit.spec import JobSpec, SpecError, load_spec
@@ -31,7 +32,7 @@ SetOption = Annotated[
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
     for line in message.splitlines():
-        errors.print(f"[red]error:[/red] {line}", markup=True, soft_wrap=True)
+        errors.print(f"[red]error:[/red] {escape(line)}", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -56,6 +57,8 @@ def run(
 ) -> None:
     """Run a training job in the foreground: stream every rank's log, show progress, export the model."""
     from clusterfit.backends import get_backend
+    from clusterfit.monitoring.failures import failure_causes
+    from clusterfit.monitoring.logtail import LOG_DIR
     from clusterfit.monitoring.progress import JobWatch, follow
 
     spec = _load(spec_file, overrides)
@@ -79,7 +82,13 @@ def run(
         handle.cancel()
         raise typer.Exit(130) from None
     if code != 0:
-        raise _fail(f"job {spec.name} failed (exit code {code}); every rank's log is in {out / 'logs'}", 1)
+        causes = failure_causes(out / LOG_DIR)
+        raise _fail(
+            "\n".join(
+                [f"job {spec.name} failed (exit code {code})", *causes, f"every rank's log is in {out / LOG_DIR}"]
+            ),
+            1,
+        )
     _print_summary(out)
 
 
@@ -106,10 +115,16 @@ def _print_summary(out: Path) -> None:
     table = Table(title=f"{summary['name']}: {summary['world_size']} worker(s), {summary['precision']}")
     table.add_column("epoch", justify="right")
     table.add_column("images/s", justify="right")
+    table.add_column("train loss", justify="right")
     table.add_column("val top-1", justify="right")
     for epoch in summary["epochs"]:
         top1 = epoch.get("val_top1")
-        table.add_row(str(epoch["epoch"]), f"{epoch['images_per_s']:.1f}", "-" if top1 is None else f"{top1:.3f}")
+        table.add_row(
+            str(epoch["epoch"]),
+            f"{epoch['images_per_s']:.1f}",
+            f"{epoch.get('train_loss', float('nan')):.4f}",
+            "-" if top1 is None else f"{top1:.3f}",
+        )
     console.print(table)
     console.print(f"model: {', '.join(summary['exported'])}")
     console.print(

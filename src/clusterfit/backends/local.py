@@ -52,7 +52,14 @@ class LocalBackend:
         return Rendered(
             backend=self.name,
             command=torchrun_command(spec),
-            env={"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"},
+            env={
+                "OMP_NUM_THREADS": str(threads),
+                "PYTHONUNBUFFERED": "1",
+                # NOTE: with the agent's TCPStore shared across restarts, restarted workers can read the
+                # previous attempt's gloo/NCCL addresses and fail with "Connection refused". A store per
+                # rendezvous round (hosted by rank 0 on a fresh port) makes restarts reliable.
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            },
             files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(spec)},
         )
 

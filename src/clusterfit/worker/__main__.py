@@ -10,7 +10,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from clusterfit.backends.rank_logs import RANK_LOG_ENV
-from clusterfit.spec import SpecError, load_spec
+from clusterfit.spec import load_spec
 from clusterfit.worker.dist import read_dist_env, shutdown_distributed
 from clusterfit.worker.train import train
 
@@ -26,11 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     try:
-        spec = load_spec(args.spec)
-        train(spec, read_dist_env())
-    except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        train(load_spec(args.spec), read_dist_env())
     finally:
         shutdown_distributed()
     return 0

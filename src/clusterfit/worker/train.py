@@ -179,6 +179,7 @@ def train(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
     every = trainer.checkpoint.every_steps
     while progress.epoch < trainer.epochs:
         epoch_started, epoch_steps = time.perf_counter(), 0
+        epoch_loss_sum: torch.Tensor | float = 0.0
         meter = IntervalMeter()
         ddp_model.train()
         waited = time.perf_counter()
@@ -189,6 +190,7 @@ def train(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
             )
             scheduler.step()
             meter.loss_sum = meter.loss_sum + loss
+            epoch_loss_sum = epoch_loss_sum + loss
             meter.steps += 1
             epoch_steps += 1
             progress.step_in_epoch += 1
@@ -224,10 +226,12 @@ def train(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
             waited = time.perf_counter()
 
         epoch_seconds = time.perf_counter() - epoch_started
+        loss_total, loss_count = all_reduce_sum([float(epoch_loss_sum), float(epoch_steps)], env, device)
         epoch_record: dict[str, Any] = {
             "epoch": progress.epoch + 1,
             "step": progress.global_step,
             "images_per_s": global_batch * epoch_steps / max(epoch_seconds, 1e-9),
+            "train_loss": loss_total / max(loss_count, 1.0),
         }
         if val_loader is not None:
             metrics = evaluate(model, val_loader, device, precision, trainer.channels_last, env)
