@@ -98,3 +98,21 @@ def test_rank_log_rotation_keeps_every_attempt(tmp_path: Path) -> None:
     assert log.read_text() == "attempt 2"
     assert (tmp_path / "rank-0.log.1").read_text() == "attempt 1"
     assert (tmp_path / "rank-0.log.2").read_text() == "attempt 0"
+
+
+def test_log_follower_labels_lines_and_follows_rotation(tmp_path: Path) -> None:
+    from clusterfit.monitoring.logtail import LogFollower
+
+    (tmp_path / "rank-0.log").write_text("from an earlier run\n")
+    follower = LogFollower(tmp_path)  # earlier runs' lines are not shown again
+    with open(tmp_path / "rank-0.log", "a") as f:
+        f.write("step 1\nhalf a li")
+    (tmp_path / "rank-1.log").write_text("ready\n")
+    assert follower.poll() == ["[rank0] step 1", "[rank1] ready"]
+    with open(tmp_path / "rank-0.log", "a") as f:
+        f.write("ne\n")
+    rotate(tmp_path / "rank-0.log")  # a restart: the old attempt's file moves away, a new one starts
+    (tmp_path / "rank-0.log").write_text("attempt 2\n")
+    (tmp_path / "agent.log").write_text("restarting workers")
+    # The unterminated agent line only comes out with the final drain.
+    assert follower.drain() == ["[rank0] half a line", "[rank0] attempt 2", "[torchrun] restarting workers"]

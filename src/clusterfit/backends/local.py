@@ -34,14 +34,20 @@ def torchrun_command(spec: JobSpec, *, python: str = sys.executable) -> list[str
     out = Path(spec.outputs.dir)
     dist = spec.distribution
     return [
-        python, "-m", "torch.distributed.run",
+        python,
+        "-m",
+        "torch.distributed.run",
         "--standalone",  # c10d rendezvous on a free local port; no port to pick or collide on
         "--nnodes=1",
         f"--nproc-per-node={dist.process_count_per_instance}",
         f"--max-restarts={dist.max_restarts}",
-        "--logs-specs=clusterfit", f"--log-dir={out / LOG_DIR}",
-        "-m", "clusterfit.worker", "--spec", str(out / RESOLVED_SPEC),
-    ]  # fmt: skip
+        "--logs-specs=clusterfit",
+        f"--log-dir={out / LOG_DIR}",
+        "-m",
+        "clusterfit.worker",
+        "--spec",
+        str(out / RESOLVED_SPEC),
+    ]
 
 
 class LocalBackend:

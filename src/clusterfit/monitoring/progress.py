@@ -49,8 +49,14 @@ class JobWatch:
 def follow(handle: RunHandle, watch: JobWatch, console: Console) -> int:
     """Print the job's log lines and a progress bar until it ends; returns its exit code."""
     logs, metrics = watch.logs, watch.metrics
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn())  # fmt: skip
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[stats]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("starting", total=None, stats="")
         while True:

@@ -45,18 +45,23 @@ class Progress:
 
 
 @dataclass
-class IntervalMeter:
-    """Loss and throughput between two log lines; losses stay on the device until the log line."""
+class LossMeter:
+    """Loss, steps and data wait since `started`; losses stay on the device until read (no sync per step)."""
 
     started: float = field(default_factory=time.perf_counter)
     steps: int = 0
     data_wait: float = 0.0
     loss_sum: torch.Tensor | float = 0.0
 
+    def add(self, loss: torch.Tensor, data_wait: float) -> None:
+        self.loss_sum = self.loss_sum + loss
+        self.steps += 1
+        self.data_wait += data_wait
+
     def read(self, env: DistEnv, device: torch.device, global_batch: int) -> dict[str, float]:
-        elapsed = time.perf_counter() - self.started
-        loss_sum = float(self.loss_sum)
-        total_loss, total_steps = all_reduce_sum([loss_sum, float(self.steps)], env, device)
+        """Collective: the loss is averaged over every rank."""
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        total_loss, total_steps = all_reduce_sum([float(self.loss_sum), float(self.steps)], env, device)
         return {
             "loss": total_loss / max(1.0, total_steps),
             "images_per_s": global_batch * self.steps / elapsed,
@@ -66,220 +71,253 @@ class IntervalMeter:
 
 def train(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
     """Train, checkpoint, validate and export; returns the summary on the main process."""
-    wall_start = time.time()
-    trainer = spec.trainer
-    out = Path(spec.outputs.dir)
-    device = pick_device(env)
-    init_distributed(env, device)
-    log.info(
-        "rank %d of %d (local rank %d) on %s, %d CPU threads, pid %d",
-        env.rank,
-        env.world_size,
-        env.local_rank,
-        device,
-        torch.get_num_threads(),
-        os.getpid(),
-    )
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    precision = resolve_precision(trainer.precision, device)
-    facts = inspect_data(trainer.data)
+    return Trainer(spec, env).run()
 
-    torch.manual_seed(trainer.seed)  # identical initial weights on every rank
-    model = build_model(trainer.model, len(facts.classes), trainer.norm_layer).to(device)
-    if trainer.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    torch.manual_seed(trainer.seed + env.rank)  # distinct augmentation streams per rank
 
-    pin = device.type == "cuda"
-    train_data = build_train_data(
-        trainer, facts, rank=env.rank, world_size=env.world_size, local_world_size=env.local_world_size, pin_memory=pin
-    )
-    val_loader = build_val_loader(
-        trainer, facts, rank=env.rank, world_size=env.world_size, local_world_size=env.local_world_size, pin_memory=pin
-    )
-    steps_per_epoch = train_data.steps_per_epoch
-    total_steps = steps_per_epoch * trainer.epochs
-    global_batch = trainer.batch_size * env.world_size
-    optimizer = build_optimizer(model, trainer.optimizer, global_batch)
-    scheduler = build_schedule(optimizer, trainer.schedule, steps_per_epoch, total_steps)
-    scaler = make_grad_scaler(precision, device)
+class Trainer:
+    """Builds every component from the spec once, then runs epochs; all state worth keeping is in `progress`."""
 
-    store = CheckpointStore(out / CHECKPOINT_DIR, trainer.checkpoint.keep, env)
-    store.clean_partial()
-    progress = Progress()
-    loaded = store.load_latest(device)
-    if loaded is not None:
-        model.load_state_dict(loaded.shared["model"])
-        optimizer.load_state_dict(loaded.shared["optimizer"])
-        scheduler.load_state_dict(loaded.shared["scheduler"])
-        scaler.load_state_dict(loaded.shared["scaler"])
-        progress = Progress(**loaded.shared["progress"])
-        if loaded.own is not None:
-            restore_rng(loaded.own, device)
-        if progress.step_in_epoch >= steps_per_epoch:  # the spec's epoch got shorter since
-            progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
-        if env.is_main:
-            log.info("resuming from %s (epoch %d, step %d)", loaded.path, progress.epoch + 1, progress.global_step)
-
-    ddp_model: nn.Module = model
-    if env.is_distributed:
-        ddp_model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    loss_fn = nn.CrossEntropyLoss(label_smoothing=trainer.label_smoothing)
-    sinks = open_metric_sinks(out, env.is_main)
-    peak_lr = scaled_lr(trainer.optimizer, global_batch)
-    if env.is_main:
+    def __init__(self, spec: JobSpec, env: DistEnv) -> None:
+        self.started = time.time()
+        self.spec, self.env, self.cfg = spec, env, spec.trainer
+        self.out = Path(spec.outputs.dir)
+        self.device = pick_device(env)
+        init_distributed(env, self.device)
         log.info(
-            "%s: %s on %d worker(s), %s, %s, global batch %d, peak lr %.4g, %d steps/epoch x %d epochs",
-            spec.name,
-            trainer.model,
+            "rank %d of %d (local rank %d) on %s, %d CPU threads, pid %d",
+            env.rank,
             env.world_size,
-            device.type,
-            precision.name,
-            global_batch,
-            peak_lr,
-            steps_per_epoch,
-            trainer.epochs,
+            env.local_rank,
+            self.device,
+            torch.get_num_threads(),
+            os.getpid(),
         )
-    sinks.write(
-        {
-            "kind": "start",
-            "step": progress.global_step,
-            "total_steps": total_steps,
-            "steps_per_epoch": steps_per_epoch,
-            "epochs": trainer.epochs,
-            "world_size": env.world_size,
-            "precision": precision.name,
-            "device": device.type,
-            "time": time.time(),
-        }
-    )
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True
+        self.precision: Precision = resolve_precision(self.cfg.precision, self.device)
+        self.facts = inspect_data(self.cfg.data)
 
-    def save_checkpoint() -> None:
+        torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
+        self.model = build_model(self.cfg.model, len(self.facts.classes), self.cfg.norm_layer).to(self.device)
+        if self.cfg.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        torch.manual_seed(self.cfg.seed + env.rank)  # distinct augmentation streams per rank
+
+        loader_args = {
+            "rank": env.rank,
+            "world_size": env.world_size,
+            "local_world_size": env.local_world_size,
+            "pin_memory": self.device.type == "cuda",
+        }
+        self.train_data = build_train_data(self.cfg, self.facts, **loader_args)
+        self.val_loader = build_val_loader(self.cfg, self.facts, **loader_args)
+        self.steps_per_epoch = self.train_data.steps_per_epoch
+        self.total_steps = self.steps_per_epoch * self.cfg.epochs
+        self.global_batch = self.cfg.batch_size * env.world_size
+        self.peak_lr = scaled_lr(self.cfg.optimizer, self.global_batch)
+        self.optimizer = build_optimizer(self.model, self.cfg.optimizer, self.global_batch)
+        self.scheduler = build_schedule(self.optimizer, self.cfg.schedule, self.steps_per_epoch, self.total_steps)
+        self.scaler = make_grad_scaler(self.precision, self.device)
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=self.cfg.label_smoothing)
+
+        self.store = CheckpointStore(self.out / CHECKPOINT_DIR, self.cfg.checkpoint.keep, env)
+        self.progress = Progress()
+        self.resumed_from = self._restore()
+        # NOTE: wrap after restoring, so DDP's initial broadcast sends the restored weights.
+        self.ddp_model: nn.Module = self.model
+        if env.is_distributed:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self.ddp_model = DistributedDataParallel(self.model, device_ids=device_ids)
+        self.sinks = open_metric_sinks(self.out, env.is_main)
+
+    def run(self) -> dict[str, Any] | None:
+        cfg, progress = self.cfg, self.progress
+        if self.env.is_main:
+            log.info(
+                "%s: %s on %d worker(s), %s, %s, global batch %d, peak lr %.4g, %d steps/epoch x %d epochs",
+                self.spec.name,
+                cfg.model,
+                self.env.world_size,
+                self.device.type,
+                self.precision.name,
+                self.global_batch,
+                self.peak_lr,
+                self.steps_per_epoch,
+                cfg.epochs,
+            )
+        self.sinks.write(
+            {
+                "kind": "start",
+                "step": progress.global_step,
+                "total_steps": self.total_steps,
+                "steps_per_epoch": self.steps_per_epoch,
+                "epochs": cfg.epochs,
+                "world_size": self.env.world_size,
+                "precision": self.precision.name,
+                "device": self.device.type,
+                "time": time.time(),
+            }
+        )
+        while progress.epoch < cfg.epochs:
+            record = self._train_epoch()
+            if self.val_loader is not None:
+                record.update(self._validate())
+            progress.history.append(record)
+            progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+            self._save_checkpoint()
+        summary = self._export() if self.env.is_main else None
+        self.sinks.write({"kind": "end", "step": progress.global_step, "time": time.time()})
+        self.sinks.close()
+        return summary
+
+    def _train_epoch(self) -> dict[str, Any]:
+        progress, every = self.progress, self.cfg.checkpoint.every_steps
+        epoch_meter, interval = LossMeter(), LossMeter()
+        self.ddp_model.train()
+        waited_since = time.perf_counter()
+        for images, labels in self.train_data.batches(progress.epoch, progress.step_in_epoch):
+            data_wait = time.perf_counter() - waited_since
+            loss = train_step(
+                self.ddp_model,
+                images,
+                labels,
+                self.optimizer,
+                self.scaler,
+                self.precision,
+                self.loss_fn,
+                self.device,
+                self.cfg.channels_last,
+            )
+            self.scheduler.step()
+            epoch_meter.add(loss, data_wait)
+            interval.add(loss, data_wait)
+            progress.step_in_epoch += 1
+            progress.global_step += 1
+            end_of_epoch = progress.step_in_epoch == self.steps_per_epoch
+            if progress.global_step % self.cfg.log_every_steps == 0 or end_of_epoch:
+                self._log_interval(interval)
+                interval = LossMeter()
+            # The epoch's last step is checkpointed by run(), after validation.
+            if every and progress.global_step % every == 0 and not end_of_epoch:
+                self._save_checkpoint()
+            waited_since = time.perf_counter()
+        totals = epoch_meter.read(self.env, self.device, self.global_batch)
+        return {
+            "epoch": progress.epoch + 1,
+            "step": progress.global_step,
+            "images_per_s": totals["images_per_s"],
+            "train_loss": totals["loss"],
+        }
+
+    def _log_interval(self, interval: LossMeter) -> None:
+        progress = self.progress
+        record = {
+            "kind": "train",
+            "step": progress.global_step,
+            "epoch": progress.epoch + 1,
+            "total_steps": self.total_steps,
+            "lr": self.scheduler.get_last_lr()[0],
+            "time": time.time(),
+            **interval.read(self.env, self.device, self.global_batch),
+        }
+        self.sinks.write(record)
+        if self.env.is_main:
+            log.info(
+                "epoch %d/%d step %d/%d loss %.4f lr %.4g %.1f images/s (data wait %.0f%%)",
+                progress.epoch + 1,
+                self.cfg.epochs,
+                progress.global_step,
+                self.total_steps,
+                record["loss"],
+                record["lr"],
+                record["images_per_s"],
+                100 * record["data_wait"],
+            )
+
+    def _validate(self) -> dict[str, Any]:
+        assert self.val_loader is not None
+        epoch = self.progress.epoch + 1
+        metrics = evaluate(self.model, self.val_loader, self.device, self.precision, self.cfg.channels_last, self.env)
+        self.sinks.write({"kind": "val", "step": self.progress.global_step, "epoch": epoch, **metrics})
+        if self.env.is_main:
+            log.info(
+                "epoch %d validation: top1 %.4f top5 %.4f loss %.4f on %d images",
+                epoch,
+                metrics["top1"],
+                metrics["top5"],
+                metrics["loss"],
+                metrics["images"],
+            )
+        return {f"val_{key}": value for key, value in metrics.items()}
+
+    def _restore(self) -> Path | None:
+        self.store.clean_partial()
+        loaded = self.store.load_latest(self.device)
+        if loaded is None:
+            return None
+        self.model.load_state_dict(loaded.shared["model"])
+        self.optimizer.load_state_dict(loaded.shared["optimizer"])
+        self.scheduler.load_state_dict(loaded.shared["scheduler"])
+        self.scaler.load_state_dict(loaded.shared["scaler"])
+        self.progress = Progress(**loaded.shared["progress"])
+        if loaded.own is not None:
+            restore_rng(loaded.own, self.device)
+        if self.progress.step_in_epoch >= self.steps_per_epoch:  # the spec's epoch got shorter since
+            self.progress.epoch, self.progress.step_in_epoch = self.progress.epoch + 1, 0
+        if self.env.is_main:
+            log.info(
+                "resuming from %s (epoch %d, step %d)", loaded.path, self.progress.epoch + 1, self.progress.global_step
+            )
+        return loaded.path
+
+    def _save_checkpoint(self) -> None:
         shared = {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "progress": asdict(progress),
-            "spec": spec.model_dump(mode="json"),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "progress": asdict(self.progress),
+            "spec": self.spec.model_dump(mode="json"),
             "version": __version__,
         }
         info = {
-            "job": spec.name,
-            "model": trainer.model,
-            "num_classes": len(facts.classes),
-            "norm_layer": trainer.norm_layer,
-            "global_step": progress.global_step,
+            "job": self.spec.name,
+            "model": self.cfg.model,
+            "num_classes": len(self.facts.classes),
+            "norm_layer": self.cfg.norm_layer,
+            "global_step": self.progress.global_step,
         }
-        path = store.save(progress.global_step, shared, capture_rng(device), info)
-        if env.is_main:
+        path = self.store.save(self.progress.global_step, shared, capture_rng(self.device), info)
+        if self.env.is_main:
             log.info("checkpoint %s", path)
 
-    every = trainer.checkpoint.every_steps
-    while progress.epoch < trainer.epochs:
-        epoch_started, epoch_steps = time.perf_counter(), 0
-        epoch_loss_sum: torch.Tensor | float = 0.0
-        meter = IntervalMeter()
-        ddp_model.train()
-        waited = time.perf_counter()
-        for images, labels in train_data.batches(progress.epoch, progress.step_in_epoch):
-            meter.data_wait += time.perf_counter() - waited
-            loss = train_step(
-                ddp_model, images, labels, optimizer, scaler, precision, loss_fn, device, trainer.channels_last
-            )
-            scheduler.step()
-            meter.loss_sum = meter.loss_sum + loss
-            epoch_loss_sum = epoch_loss_sum + loss
-            meter.steps += 1
-            epoch_steps += 1
-            progress.step_in_epoch += 1
-            progress.global_step += 1
-            end_of_epoch = progress.step_in_epoch == steps_per_epoch
-            if progress.global_step % trainer.log_every_steps == 0 or end_of_epoch:
-                record = {
-                    "kind": "train",
-                    "step": progress.global_step,
-                    "epoch": progress.epoch + 1,
-                    "total_steps": total_steps,
-                    "lr": scheduler.get_last_lr()[0],
-                    "time": time.time(),
-                    **meter.read(env, device, global_batch),
-                }
-                sinks.write(record)
-                if env.is_main:
-                    log.info(
-                        "epoch %d/%d step %d/%d loss %.4f lr %.4g %.1f images/s (data wait %.0f%%)",
-                        progress.epoch + 1,
-                        trainer.epochs,
-                        progress.global_step,
-                        total_steps,
-                        record["loss"],
-                        record["lr"],
-                        record["images_per_s"],
-                        100 * record["data_wait"],
-                    )
-                meter = IntervalMeter()
-            # The epoch's last step is checkpointed below, after validation.
-            if every and progress.global_step % every == 0 and not end_of_epoch:
-                save_checkpoint()
-            waited = time.perf_counter()
-
-        epoch_seconds = time.perf_counter() - epoch_started
-        loss_total, loss_count = all_reduce_sum([float(epoch_loss_sum), float(epoch_steps)], env, device)
-        epoch_record: dict[str, Any] = {
-            "epoch": progress.epoch + 1,
-            "step": progress.global_step,
-            "images_per_s": global_batch * epoch_steps / max(epoch_seconds, 1e-9),
-            "train_loss": loss_total / max(loss_count, 1.0),
-        }
-        if val_loader is not None:
-            metrics = evaluate(model, val_loader, device, precision, trainer.channels_last, env)
-            epoch_record.update({f"val_{key}": value for key, value in metrics.items()})
-            sinks.write({"kind": "val", "step": progress.global_step, "epoch": progress.epoch + 1, **metrics})
-            if env.is_main:
-                log.info(
-                    "epoch %d validation: top1 %.4f top5 %.4f loss %.4f on %d images",
-                    progress.epoch + 1,
-                    metrics["top1"],
-                    metrics["top5"],
-                    metrics["loss"],
-                    metrics["images"],
-                )
-        progress.history.append(epoch_record)
-        progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
-        save_checkpoint()
-
-    summary = None
-    if env.is_main:
+    def _export(self) -> dict[str, Any]:
+        cfg = self.cfg
         metadata = {
-            "model": trainer.model,
-            "norm_layer": trainer.norm_layer,
-            "classes": facts.classes,
-            "image_size": trainer.data.image_size,
+            "model": cfg.model,
+            "norm_layer": cfg.norm_layer,
+            "classes": self.facts.classes,
+            "image_size": cfg.data.image_size,
             "clusterfit_version": __version__,
-            "job": spec.name,
-            "global_step": progress.global_step,
+            "job": self.spec.name,
+            "global_step": self.progress.global_step,
         }
-        exported = export_model(model, out / MODEL_DIR, metadata=metadata, image_size=trainer.data.image_size)
-        summary = write_summary(
-            out,
-            spec=spec,
-            progress_history=progress.history,
-            exported=exported,
-            wall_seconds=time.time() - wall_start,
-            world_size=env.world_size,
-            precision=precision.name,
-            device=device.type,
-            global_batch=global_batch,
-            peak_lr=peak_lr,
-            steps=progress.global_step,
-            resumed_from=str(loaded.path) if loaded else None,
-        )
+        exported = export_model(self.model, self.out / MODEL_DIR, metadata=metadata, image_size=cfg.data.image_size)
         log.info("exported %s", ", ".join(str(p) for p in exported))
-    sinks.write({"kind": "end", "step": progress.global_step, "time": time.time()})
-    sinks.close()
-    return summary
+        return write_summary(
+            self.out,
+            spec=self.spec,
+            progress_history=self.progress.history,
+            exported=exported,
+            wall_seconds=time.time() - self.started,
+            world_size=self.env.world_size,
+            precision=self.precision.name,
+            device=self.device.type,
+            global_batch=self.global_batch,
+            peak_lr=self.peak_lr,
+            steps=self.progress.global_step,
+            resumed_from=str(self.resumed_from) if self.resumed_from else None,
+        )
 
 
 def train_step(
