@@ -54,8 +54,12 @@ def _worker_pids(marker: str) -> list[int]:
     return pids
 
 
-RESUME_SETTINGS = {"norm_layer": "group", "steps_per_epoch": 8, "epochs": 2,
-                   "checkpoint": {"every_steps": 3, "keep": 2}}
+RESUME_SETTINGS = {
+    "norm_layer": "group",
+    "steps_per_epoch": 8,
+    "epochs": 2,
+    "checkpoint": {"every_steps": 3, "keep": 2},
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +82,9 @@ def test_killed_job_resumes_to_the_same_weights(tmp_path: Path, straight_run: Pa
     """Kill the launcher (SIGKILL) after the first checkpoint, rerun: no orphans, same weights as straight."""
     out = tmp_path / "resumed"
     job = write_job(tmp_path / "resumed.yaml", tiny_job(out, **RESUME_SETTINGS))
-    launcher = subprocess.Popen(cli_command("run", str(job)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+    launcher = subprocess.Popen(
+        cli_command("run", str(job)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     _wait_for_first_checkpoint(out, launcher)
     launcher.kill()  # no chance to clean up
     launcher.wait()
@@ -103,8 +108,13 @@ def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path
     spec = tiny_job(out, **RESUME_SETTINGS)
     spec["distribution"]["max_restarts"] = 1
     job = write_job(tmp_path / "job.yaml", spec)
-    launcher = subprocess.Popen(cli_command("run", str(job)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+    launcher = subprocess.Popen(
+        cli_command("run", str(job)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     _wait_for_first_checkpoint(out, launcher)
     rank1_pid = int(re.search(r"rank 1 of 2 .* pid (\d+)", (out / "logs" / "rank-1.log").read_text()).group(1))
     os.kill(rank1_pid, signal.SIGKILL)
@@ -178,14 +188,21 @@ def test_failed_job_names_the_rank_and_the_exception(tmp_path: Path, tiny_imagef
     """A worker that raises: the launcher exits 1 and says which rank failed and why, in one line each."""
     # NOTE: today an undecodable image stops the job; when bad images are skipped instead, pick another fault.
     (tiny_imagefolder / "train" / "class_0" / "0000.jpg").write_bytes(b"not a jpeg at all")
-    job = tiny_job(tmp_path / "out", steps_per_epoch=None, batch_size=8,
-                   data={"train": str(tiny_imagefolder / "train"), "image_size": 32, "num_classes": None,
-                         "loader_workers": 0})
+    job = tiny_job(
+        tmp_path / "out",
+        steps_per_epoch=None,
+        batch_size=8,
+        data={"train": str(tiny_imagefolder / "train"), "image_size": 32, "num_classes": None, "loader_workers": 0},
+    )
     result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
     assert result.returncode == 1
     errors = result.stderr.strip().splitlines()
     assert errors[0] == "error: job tiny failed (exit code 1)"
-    assert any(line.startswith("error: rank ") and "UnidentifiedImageError: cannot identify image file" in line
-               and "0000.jpg" in line for line in errors), errors
+    assert any(
+        line.startswith("error: rank ")
+        and "UnidentifiedImageError: cannot identify image file" in line
+        and "0000.jpg" in line
+        for line in errors
+    ), errors
     assert errors[-1] == f"error: every rank's log is in {tmp_path / 'out' / 'logs'}"
     assert "Traceback" not in result.stderr

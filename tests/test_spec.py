@@ -52,19 +52,76 @@ BAD_SPECS = [
     ("resources.backend", "yarn", "resources.backend = 'yarn': Input should be 'local'"),
     ("resources.instance_count", 2, "resources.instance_count is 2 but the local backend runs on one machine"),
     ("name", "has space", "name = 'has space': String should match pattern"),
+    (
+        "trainer.strategy",
+        "zero3",
+        "trainer.strategy = 'zero3': Input should be 'ddp', 'fsdp', 'pipeline' or 'localsgd'",
+    ),
+    (
+        "trainer.strategy_options",
+        {"stages": 2},
+        "trainer.strategy_options.stages: unknown key; this section takes no keys here",
+    ),
+    ("trainer.grad_compression", "powersgd", None),  # valid with the default ddp
     ("outputs", None, "outputs = None: Input should be a valid dictionary"),
+]
+
+STRATEGY_MISTAKES = [
+    (
+        {"strategy": "pipeline", "strategy_options": {"stages": 4}},
+        "trainer.strategy_options.stages = 4 does not divide the 2 workers",
+    ),
+    (
+        {"strategy": "pipeline", "strategy_options": {"stages": 2, "microbatches": 1}},
+        "strategy_options.microbatches = 1 is fewer than the 2 stages",
+    ),
+    (
+        {"strategy": "pipeline", "batch_size": 6, "strategy_options": {"microbatches": 4}},
+        "batch_size 6 cannot be split into 4 equal microbatches",
+    ),
+    (
+        {"strategy": "pipeline", "precision": "fp16"},
+        "precision fp16 (loss scaling) is not supported with strategy pipeline",
+    ),
+    (
+        {"strategy": "localsgd", "strategy_options": {"sync_every": 0}},
+        "trainer.strategy_options.sync_every = 0: Input should be greater than or equal to 1",
+    ),
+    ({"strategy": "fsdp", "grad_compression": "fp16"}, "grad_compression 'fp16' works with strategy ddp only"),
+    (
+        {"strategy": "fsdp", "strategy_options": {"sync_every": 2}},
+        "trainer.strategy_options.sync_every: unknown key; allowed keys here: reshard_after_forward",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("field", "value", "message"), BAD_SPECS, ids=[f"{f}={v}" for f, v, _ in BAD_SPECS])
-def test_bad_spec_gives_one_line(tmp_path: Path, field: str, value: object, message: str) -> None:
+def test_bad_spec_gives_one_line(tmp_path: Path, field: str, value: object, message: str | None) -> None:
     raw = _set(tiny_job(tmp_path / "out"), field, value)
+    if message is None:
+        validate_spec(raw)
+        return
     with pytest.raises(SpecError) as caught:
         validate_spec(raw, source="job.yaml")
     text = str(caught.value)
     assert "\n" not in text
     assert text.startswith("job.yaml: ")
     assert message in text
+
+
+@pytest.mark.parametrize(("trainer", "message"), STRATEGY_MISTAKES, ids=[m[:30] for _, m in STRATEGY_MISTAKES])
+def test_impossible_strategy_combinations_are_refused(tmp_path: Path, trainer: dict, message: str) -> None:
+    raw = tiny_job(tmp_path / "out", **trainer)
+    with pytest.raises(SpecError) as caught:
+        validate_spec(raw)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_strategy_options_round_trip_through_the_resolved_spec(tmp_path: Path) -> None:
+    raw = tiny_job(tmp_path / "out", strategy="pipeline", strategy_options={"schedule": "1f1b"})
+    dumped = validate_spec(raw).model_dump(mode="json")
+    assert dumped["trainer"]["strategy_options"] == {"stages": 2, "microbatches": 4, "schedule": "1f1b"}
+    assert validate_spec(dumped).trainer.strategy_options.schedule == "1f1b"
 
 
 def test_val_equal_to_train_is_refused(tmp_path: Path, tiny_imagefolder: Path) -> None:

@@ -38,7 +38,15 @@ def validate_spec(raw: dict[str, Any], source: str = "job") -> JobSpec:
     try:
         return JobSpec.model_validate(raw)
     except ValidationError as exc:
-        raise SpecError("\n".join(f"{source}: {_describe(err)}" for err in exc.errors())) from None
+        errors = exc.errors()
+        # A bad strategy name also fails its options; the name is the mistake to report.
+        bad_strategy = {err["loc"][:-1] for err in errors if err["loc"][-1:] == ("strategy",)}
+        errors = [err for err in errors if not any(_under(err["loc"], (*p, "strategy_options")) for p in bad_strategy)]
+        raise SpecError("\n".join(f"{source}: {_describe(err)}" for err in errors)) from None
+
+
+def _under(loc: tuple[Any, ...], prefix: tuple[Any, ...]) -> bool:
+    return loc[: len(prefix)] == prefix
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
@@ -66,32 +74,51 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
 
 
 def _describe(err: dict[str, Any]) -> str:
-    loc = [str(p) for p in err["loc"]]
-    field = ".".join(loc) or "(top level)"
+    path, model = _walk(err["loc"])
+    field = ".".join(path) or "(top level)"
     if err["type"] == "extra_forbidden":
-        allowed = _allowed_keys(err["loc"][:-1])
-        hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
+        fields = model.model_fields if model else {}
+        allowed = [name for name, info in fields.items() if not info.exclude]  # excluded: internal union tags
+        hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else "; this section takes no keys here"
         return f"{field}: unknown key{hint}"
     if err["type"] == "missing":
         return f"{field}: required but missing"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "value_error":
         # Model-level checks phrase the whole problem themselves.
-        return f"{field}: {msg}" if loc else msg
+        return f"{field}: {msg}" if path else msg
     return f"{field} = {err.get('input')!r}: {msg}"
 
 
-def _allowed_keys(loc: tuple[Any, ...]) -> list[str]:
-    model: type[BaseModel] | None = JobSpec
-    for part in loc:
-        if model is None:
-            return []
-        field = model.model_fields.get(str(part))
-        annotation = field.annotation if field else None
-        model = next((t for t in _types_in(annotation) if isinstance(t, type) and issubclass(t, BaseModel)), None)
-    return list(model.model_fields) if model else []
+def _walk(loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None]:
+    """The user-facing path of an error location, and the model in which its last key was looked up.
+
+    Discriminated unions put their tag in the location (`strategy_options.fsdp.x`); users never write
+    that tag, so it is left out of the path."""
+    path: list[str] = []
+    holder: type[BaseModel] | None = JobSpec  # the model whose fields the next part names
+    owner: type[BaseModel] | None = None
+    choices: list[type[BaseModel]] = []  # the members of a union whose tag comes next
+    for raw_part in loc:
+        part = str(raw_part)
+        if choices:
+            holder, choices = next((m for m in choices if _tag(m) == part), None), []
+            continue
+        path.append(part)
+        owner = holder
+        field = holder.model_fields.get(part) if holder else None
+        members = _models_in(field.annotation) if field else []
+        holder = members[0] if len(members) == 1 else None
+        choices = members if len(members) > 1 else []
+    return path, owner
 
 
-def _types_in(annotation: Any) -> list[Any]:
-    args = getattr(annotation, "__args__", None)
-    return list(args) if args else [annotation]
+def _tag(model: type[BaseModel]) -> Any:
+    field = model.model_fields.get("strategy")
+    return field.default if field else None
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for arg in getattr(annotation, "__args__", ()) for model in _models_in(arg)]

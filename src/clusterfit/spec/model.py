@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -56,6 +56,33 @@ class CheckpointSpec(_Strict):
     keep: int = Field(3, ge=1)
 
 
+class DdpOptions(_Strict):
+    strategy: Literal["ddp"] = Field("ddp", exclude=True)
+
+
+class FsdpOptions(_Strict):
+    strategy: Literal["fsdp"] = Field("fsdp", exclude=True)
+    reshard_after_forward: bool = True
+
+
+class PipelineOptions(_Strict):
+    strategy: Literal["pipeline"] = Field("pipeline", exclude=True)
+    stages: int = Field(2, ge=2, le=4, description="the ResNet is cut at its residual stages")
+    microbatches: int = Field(4, ge=1)
+    schedule: Literal["gpipe", "1f1b"] = "gpipe"
+
+
+class LocalSgdOptions(_Strict):
+    strategy: Literal["localsgd"] = Field("localsgd", exclude=True)
+    sync_every: int = Field(8, ge=1, description="average parameters every k steps")
+    warmup_steps: int = Field(100, ge=0, description="steps of plain DDP before workers step independently")
+
+
+StrategyOptions = Annotated[
+    DdpOptions | FsdpOptions | PipelineOptions | LocalSgdOptions, Field(discriminator="strategy")
+]
+
+
 class TrainerSpec(_Strict):
     model: Literal[MODEL_NAMES] = "resnet50"  # type: ignore[valid-type]
     norm_layer: Literal["batch", "group"] = "batch"
@@ -71,6 +98,43 @@ class TrainerSpec(_Strict):
     checkpoint: CheckpointSpec = CheckpointSpec()
     log_every_steps: int = Field(10, ge=1)
     seed: int = Field(0, ge=0)
+    strategy: Literal["ddp", "fsdp", "pipeline", "localsgd"] = "ddp"
+    strategy_options: StrategyOptions = DdpOptions()
+    grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _options_follow_strategy(cls, data: Any) -> Any:
+        # NOTE: users write `strategy_options` without a tag; the strategy field says which kind it is.
+        if isinstance(data, dict):
+            options = data.get("strategy_options")
+            strategy = data.get("strategy", "ddp")
+            if options is None or isinstance(options, dict):
+                data = {**data, "strategy_options": {**(options or {}), "strategy": strategy}}
+        return data
+
+    @model_validator(mode="after")
+    def _strategy_combinations(self) -> TrainerSpec:
+        if self.grad_compression != "none" and self.strategy != "ddp":
+            raise ValueError(
+                f"grad_compression {self.grad_compression!r} works with strategy ddp only, not {self.strategy!r}; "
+                "set grad_compression: none"
+            )
+        options = self.strategy_options
+        if isinstance(options, PipelineOptions):
+            if options.microbatches < options.stages:
+                raise ValueError(
+                    f"strategy_options.microbatches = {options.microbatches} is fewer than the {options.stages} "
+                    "stages, which would leave stages idle; use at least as many microbatches as stages"
+                )
+            if self.batch_size % options.microbatches:
+                raise ValueError(
+                    f"batch_size {self.batch_size} cannot be split into {options.microbatches} equal microbatches; "
+                    "make batch_size a multiple of strategy_options.microbatches"
+                )
+            if self.precision == "fp16":
+                raise ValueError("precision fp16 (loss scaling) is not supported with strategy pipeline; use bf16")
+        return self
 
 
 class DistributionSpec(_Strict):
@@ -95,6 +159,16 @@ class JobSpec(_Strict):
     distribution: DistributionSpec = DistributionSpec()
     resources: ResourcesSpec = ResourcesSpec()
     outputs: OutputsSpec
+
+    @model_validator(mode="after")
+    def _pipeline_fits_the_workers(self) -> JobSpec:
+        options = self.trainer.strategy_options
+        if isinstance(options, PipelineOptions) and self.world_size % options.stages:
+            raise ValueError(
+                f"trainer.strategy_options.stages = {options.stages} does not divide the {self.world_size} workers; "
+                "choose stages that divide instance_count x process_count_per_instance"
+            )
+        return self
 
     @model_validator(mode="after")
     def _local_is_one_machine(self) -> JobSpec:

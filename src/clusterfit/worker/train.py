@@ -7,12 +7,12 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from clusterfit import __version__
 from clusterfit.data.folders import inspect_data
@@ -26,6 +26,7 @@ from clusterfit.worker.evaluate import evaluate
 from clusterfit.worker.export import export_model
 from clusterfit.worker.manifest import CHECKPOINT_DIR
 from clusterfit.worker.optim import build_optimizer, build_schedule, scaled_lr
+from clusterfit.worker.parallel import Strategy, parallelize
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
 from clusterfit.worker.summary import write_summary
 
@@ -52,18 +53,21 @@ class LossMeter:
     steps: int = 0
     data_wait: float = 0.0
     loss_sum: torch.Tensor | float = 0.0
+    losses: int = 0  # steps with a loss on this rank (inner pipeline stages have none)
 
-    def add(self, loss: torch.Tensor, data_wait: float) -> None:
-        self.loss_sum = self.loss_sum + loss
+    def add(self, loss: torch.Tensor | None, data_wait: float) -> None:
+        if loss is not None:
+            self.loss_sum = self.loss_sum + loss
+            self.losses += 1
         self.steps += 1
         self.data_wait += data_wait
 
     def read(self, env: DistEnv, device: torch.device, global_batch: int) -> dict[str, float]:
         """Collective: the loss is averaged over every rank."""
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        total_loss, total_steps = all_reduce_sum([float(self.loss_sum), float(self.steps)], env, device)
+        total_loss, total_losses = all_reduce_sum([float(self.loss_sum), float(self.losses)], env, device)
         return {
-            "loss": total_loss / max(1.0, total_steps),
+            "loss": total_loss / max(1.0, total_losses),
             "images_per_s": global_batch * self.steps / elapsed,
             "data_wait": self.data_wait / elapsed,
         }
@@ -97,15 +101,18 @@ class Trainer:
         self.precision: Precision = resolve_precision(self.cfg.precision, self.device)
         self.facts = inspect_data(self.cfg.data)
 
+        self.model_factory = partial(build_model, self.cfg.model, len(self.facts.classes), self.cfg.norm_layer)
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
-        self.model = build_model(self.cfg.model, len(self.facts.classes), self.cfg.norm_layer).to(self.device)
+        model = self.model_factory().to(self.device)
         if self.cfg.channels_last:
-            self.model = self.model.to(memory_format=torch.channels_last)
+            model = model.to(memory_format=torch.channels_last)
+        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=self.cfg.label_smoothing)
+        self.strategy: Strategy = parallelize(model, self.cfg, env, self.device, self.loss_fn, self.model_factory)
         torch.manual_seed(self.cfg.seed + env.rank)  # distinct augmentation streams per rank
 
         loader_args = {
-            "rank": env.rank,
-            "world_size": env.world_size,
+            "rank": self.strategy.data_rank,
+            "world_size": self.strategy.data_world,
             "local_world_size": env.local_world_size,
             "pin_memory": self.device.type == "cuda",
         }
@@ -113,31 +120,26 @@ class Trainer:
         self.val_loader = build_val_loader(self.cfg, self.facts, **loader_args)
         self.steps_per_epoch = self.train_data.steps_per_epoch
         self.total_steps = self.steps_per_epoch * self.cfg.epochs
-        self.global_batch = self.cfg.batch_size * env.world_size
+        self.global_batch = self.cfg.batch_size * self.strategy.data_world
         self.peak_lr = scaled_lr(self.cfg.optimizer, self.global_batch)
-        self.optimizer = build_optimizer(self.model, self.cfg.optimizer, self.global_batch)
+        self.optimizer = build_optimizer(self.strategy.module, self.cfg.optimizer, self.global_batch)
         self.scheduler = build_schedule(self.optimizer, self.cfg.schedule, self.steps_per_epoch, self.total_steps)
         self.scaler = make_grad_scaler(self.precision, self.device)
-        self.loss_fn = nn.CrossEntropyLoss(label_smoothing=self.cfg.label_smoothing)
 
         self.store = CheckpointStore(self.out / CHECKPOINT_DIR, self.cfg.checkpoint.keep, env)
         self.progress = Progress()
         self.resumed_from = self._restore()
-        # NOTE: wrap after restoring, so DDP's initial broadcast sends the restored weights.
-        self.ddp_model: nn.Module = self.model
-        if env.is_distributed:
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self.ddp_model = DistributedDataParallel(self.model, device_ids=device_ids)
         self.sinks = open_metric_sinks(self.out, env.is_main)
 
     def run(self) -> dict[str, Any] | None:
         cfg, progress = self.cfg, self.progress
         if self.env.is_main:
             log.info(
-                "%s: %s on %d worker(s), %s, %s, global batch %d, peak lr %.4g, %d steps/epoch x %d epochs",
+                "%s: %s on %d worker(s) (%s), %s, %s, global batch %d, peak lr %.4g, %d steps/epoch x %d epochs",
                 self.spec.name,
                 cfg.model,
                 self.env.world_size,
+                self.strategy.name,
                 self.device.type,
                 self.precision.name,
                 self.global_batch,
@@ -165,7 +167,8 @@ class Trainer:
             progress.history.append(record)
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
             self._save_checkpoint()
-        summary = self._export() if self.env.is_main else None
+        full = self.strategy.full_state(self.optimizer)  # collective
+        summary = self._export(full[0]) if full is not None else None
         self.sinks.write({"kind": "end", "step": progress.global_step, "time": time.time()})
         self.sinks.close()
         return summary
@@ -173,21 +176,17 @@ class Trainer:
     def _train_epoch(self) -> dict[str, Any]:
         progress, every = self.progress, self.cfg.checkpoint.every_steps
         epoch_meter, interval = LossMeter(), LossMeter()
-        self.ddp_model.train()
+        self.strategy.module.train()
         waited_since = time.perf_counter()
         for images, labels in self.train_data.batches(progress.epoch, progress.step_in_epoch):
             data_wait = time.perf_counter() - waited_since
-            loss = train_step(
-                self.ddp_model,
-                images,
-                labels,
-                self.optimizer,
-                self.scaler,
-                self.precision,
-                self.loss_fn,
-                self.device,
-                self.cfg.channels_last,
-            )
+            inputs = normalize_on_device(images, self.device, self.cfg.channels_last)
+            targets = labels.to(self.device, non_blocking=True)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self.strategy.train_step(inputs, targets, self.precision, self.scaler)
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.strategy.after_optimizer_step()
             self.scheduler.step()
             epoch_meter.add(loss, data_wait)
             interval.add(loss, data_wait)
@@ -237,7 +236,8 @@ class Trainer:
     def _validate(self) -> dict[str, Any]:
         assert self.val_loader is not None
         epoch = self.progress.epoch + 1
-        metrics = evaluate(self.model, self.val_loader, self.device, self.precision, self.cfg.channels_last, self.env)
+        model = self.strategy.eval_module()
+        metrics = evaluate(model, self.val_loader, self.device, self.precision, self.cfg.channels_last, self.env)
         self.sinks.write({"kind": "val", "step": self.progress.global_step, "epoch": epoch, **metrics})
         if self.env.is_main:
             log.info(
@@ -255,11 +255,12 @@ class Trainer:
         loaded = self.store.load_latest(self.device)
         if loaded is None:
             return None
-        self.model.load_state_dict(loaded.shared["model"])
-        self.optimizer.load_state_dict(loaded.shared["optimizer"])
+        self.progress = Progress(**loaded.shared["progress"])
+        self.strategy.load_full_state(
+            self.optimizer, loaded.shared["model"], loaded.shared["optimizer"], self.progress.global_step
+        )
         self.scheduler.load_state_dict(loaded.shared["scheduler"])
         self.scaler.load_state_dict(loaded.shared["scaler"])
-        self.progress = Progress(**loaded.shared["progress"])
         if loaded.own is not None:
             restore_rng(loaded.own, self.device)
         if self.progress.step_in_epoch >= self.steps_per_epoch:  # the spec's epoch got shorter since
@@ -271,9 +272,11 @@ class Trainer:
         return loaded.path
 
     def _save_checkpoint(self) -> None:
+        full = self.strategy.full_state(self.optimizer)  # collective; the state lands on the main rank only
+        model_state, optim_state = full if full is not None else ({}, {})
         shared = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optim_state,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "progress": asdict(self.progress),
@@ -281,6 +284,8 @@ class Trainer:
             "version": __version__,
         }
         info = {
+            "format": 2,  # state dicts keyed by parameter name, unsharded: loadable by any strategy
+            "strategy": self.strategy.name,
             "job": self.spec.name,
             "model": self.cfg.model,
             "num_classes": len(self.facts.classes),
@@ -291,8 +296,11 @@ class Trainer:
         if self.env.is_main:
             log.info("checkpoint %s", path)
 
-    def _export(self) -> dict[str, Any]:
+    def _export(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """A plain model rebuilt from the full state: the same files whatever the strategy."""
         cfg = self.cfg
+        model = self.model_factory()
+        model.load_state_dict(model_state)
         metadata = {
             "model": cfg.model,
             "norm_layer": cfg.norm_layer,
@@ -302,7 +310,7 @@ class Trainer:
             "job": self.spec.name,
             "global_step": self.progress.global_step,
         }
-        exported = export_model(self.model, self.out / MODEL_DIR, metadata=metadata, image_size=cfg.data.image_size)
+        exported = export_model(model, self.out / MODEL_DIR, metadata=metadata, image_size=cfg.data.image_size)
         log.info("exported %s", ", ".join(str(p) for p in exported))
         return write_summary(
             self.out,
@@ -318,25 +326,3 @@ class Trainer:
             steps=self.progress.global_step,
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
         )
-
-
-def train_step(
-    model: nn.Module,
-    images: torch.Tensor,
-    labels: torch.Tensor,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    precision: Precision,
-    loss_fn: nn.Module,
-    device: torch.device,
-    channels_last: bool,
-) -> torch.Tensor:
-    inputs = normalize_on_device(images, device, channels_last)
-    targets = labels.to(device, non_blocking=True)
-    with precision.autocast(device):
-        loss = loss_fn(model(inputs), targets)
-    optimizer.zero_grad(set_to_none=True)
-    scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
-    scaler.step(optimizer)
-    scaler.update()
-    return loss.detach()
