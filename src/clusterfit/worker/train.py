@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -167,8 +168,9 @@ class Trainer:
             progress.history.append(record)
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
             self._save_checkpoint()
+        peak_memory = self._peak_memory_per_rank()  # measured before export adds its own copies
         full = self.strategy.full_state(self.optimizer)  # collective
-        summary = self._export(full[0]) if full is not None else None
+        summary = self._export(full[0], peak_memory) if full is not None else None
         self.sinks.write({"kind": "end", "step": progress.global_step, "time": time.time()})
         self.sinks.close()
         return summary
@@ -296,7 +298,17 @@ class Trainer:
         if self.env.is_main:
             log.info("checkpoint %s", path)
 
-    def _export(self, model_state: dict[str, Any]) -> dict[str, Any]:
+    def _peak_memory_per_rank(self) -> list[int]:
+        """Collective: each rank's peak memory in bytes (CUDA allocator peak on GPUs, peak RSS on CPUs)."""
+        if self.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        per_rank = [0.0] * self.env.world_size
+        per_rank[self.env.rank] = float(peak)
+        return [int(value) for value in all_reduce_sum(per_rank, self.env, self.device)]
+
+    def _export(self, model_state: dict[str, Any], peak_memory: list[int]) -> dict[str, Any]:
         """A plain model rebuilt from the full state: the same files whatever the strategy."""
         cfg = self.cfg
         model = self.model_factory()
@@ -325,4 +337,6 @@ class Trainer:
             peak_lr=self.peak_lr,
             steps=self.progress.global_step,
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            strategy=self.strategy.name,
+            peak_memory_bytes_per_rank=peak_memory,
         )
