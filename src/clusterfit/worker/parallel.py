@@ -120,10 +120,7 @@ class DataParallel:
     def train_step(
         self, inputs: torch.Tensor, targets: torch.Tensor, precision: Precision, scaler: torch.amp.GradScaler
     ) -> torch.Tensor:
-        with precision.autocast(inputs.device):
-            loss = self.loss_fn(self.forward_module(inputs), targets)
-        scaler.scale(loss).backward()
-        return loss.detach()
+        return _forward_backward(self.forward_module, self.loss_fn, inputs, targets, precision, scaler)
 
     def after_optimizer_step(self) -> None:
         if self.averager is not None:
@@ -172,6 +169,8 @@ class ShardedDataParallel:
         self.env, self.loss_fn, self.model_factory = env, loss_fn, model_factory
         self.data_rank, self.data_world = env.rank, env.world_size
         mesh = init_device_mesh(device.type, (env.world_size,))
+        # NOTE: FSDP2 shards only contiguous parameters; channels_last inputs still give channels_last convs.
+        model = model.to(memory_format=torch.contiguous_format)
         for block in _residual_blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
         self.module = fully_shard(model, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
@@ -179,10 +178,7 @@ class ShardedDataParallel:
     def train_step(
         self, inputs: torch.Tensor, targets: torch.Tensor, precision: Precision, scaler: torch.amp.GradScaler
     ) -> torch.Tensor:
-        with precision.autocast(inputs.device):
-            loss = self.loss_fn(self.module(inputs), targets)
-        scaler.scale(loss).backward()
-        return loss.detach()
+        return _forward_backward(self.module, self.loss_fn, inputs, targets, precision, scaler)
 
     def after_optimizer_step(self) -> None:
         pass
@@ -298,6 +294,20 @@ class PipelineParallel:
             if not self.env.is_main:
                 return None
         return [part for part in gathered if part is not None]
+
+
+def _forward_backward(
+    module: nn.Module,
+    loss_fn: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    precision: Precision,
+    scaler: torch.amp.GradScaler,
+) -> torch.Tensor:
+    with precision.autocast(inputs.device):
+        loss = loss_fn(module(inputs), targets)
+    scaler.scale(loss).backward()  # DDP and FSDP communicate gradients during backward
+    return loss.detach()
 
 
 def _register_compression(ddp: DistributedDataParallel, kind: str) -> None:

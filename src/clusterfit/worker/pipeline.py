@@ -37,8 +37,24 @@ class ResNetStage(nn.Module):
             self.add_module(name, getattr(model, name))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if "conv1" not in self.names:
+            x = _ContiguousGrad.apply(x)
         for name in self.names:
             if name == "fc":
                 x = torch.flatten(x, 1)
             x = getattr(self, name)(x)
-        return x
+        # NOTE: activations and gradients cross ranks with send/recv, which needs contiguous tensors;
+        # channels_last convolutions produce (and take gradients in) another layout.
+        return x.contiguous()
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; backward hands on a contiguous gradient (it is sent to the previous stage)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
