@@ -126,6 +126,11 @@ def _print_summary(out: Path) -> None:
             "-" if top1 is None else f"{top1:.3f}",
         )
     console.print(table)
+    inputs = summary.get("inputs") or {}
+    if inputs.get("skipped_files"):
+        reasons = ", ".join(f"{count} {reason}" for reason, count in inputs["by_reason"].items())
+        worst = ", ".join(entry["file"] for entry in inputs["files"][:3])
+        console.print(f"skipped {inputs['skipped_files']} unreadable input files ({reasons}): {worst}", markup=False)
     console.print(f"model: {', '.join(summary['exported'])}")
     console.print(
         f"summary: {out / SUMMARY_FILE}  metrics: {out / 'metrics.jsonl'}  tensorboard: {out / 'tensorboard'}"

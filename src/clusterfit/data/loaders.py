@@ -14,14 +14,17 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from clusterfit.data.folders import DataFacts, steps_per_epoch
 from clusterfit.data.imagefolder import (
+    CountedBatches,
     FolderTrainData,
     LabeledImages,
     ResumableSampler,
     ShardSampler,
+    collate_labeled,
     list_samples,
     train_transform,
     val_transform,
 )
+from clusterfit.data.quality import BadRead
 from clusterfit.data.synthetic import SyntheticData
 from clusterfit.spec.model import DataSpec, TrainerSpec
 
@@ -33,6 +36,10 @@ class TrainData(Protocol):
     steps_per_epoch: int
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def take_reads(self) -> tuple[int, list[BadRead]]:
+        """Samples read since the last call, and the (file, reason) of each that could not be used."""
+        ...
 
 
 def loader_workers(data: DataSpec, local_world_size: int) -> int:
@@ -57,7 +64,7 @@ def build_train_data(
             steps_per_epoch=steps,
             seed=trainer.seed,
         )
-    dataset = LabeledImages(list_samples(data.train, facts.classes), train_transform(data.image_size))
+    dataset = LabeledImages(list_samples(data.train, facts.classes), train_transform(data.image_size), substitute=True)
     sampler = ResumableSampler(
         DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=trainer.seed, drop_last=True)
     )
@@ -69,26 +76,30 @@ def build_train_data(
         num_workers=workers,
         pin_memory=pin_memory,
         drop_last=True,
+        collate_fn=collate_labeled,
         persistent_workers=workers > 0,
         generator=torch.Generator().manual_seed(trainer.seed + rank),
     )
-    return FolderTrainData(loader, sampler, steps, trainer.batch_size)
+    return FolderTrainData(CountedBatches(loader), sampler, steps, trainer.batch_size)
 
 
 def build_val_loader(
     trainer: TrainerSpec, facts: DataFacts, *, rank: int, world_size: int, local_world_size: int, pin_memory: bool
-) -> DataLoader | None:
+) -> CountedBatches | None:
+    """Each rank scores its own unpadded share; unreadable files are dropped (and counted), never replaced."""
     data = trainer.data
     if data.val is None:
         return None
-    dataset = LabeledImages(list_samples(data.val, facts.classes), val_transform(data.image_size))
-    return DataLoader(
+    dataset = LabeledImages(list_samples(data.val, facts.classes), val_transform(data.image_size), substitute=False)
+    loader = DataLoader(
         dataset,
         batch_size=trainer.batch_size,
         sampler=ShardSampler(len(dataset), rank, world_size),
         num_workers=loader_workers(data, local_world_size),
         pin_memory=pin_memory,
+        collate_fn=collate_labeled,
     )
+    return CountedBatches(loader)
 
 
 def normalize_on_device(images: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:

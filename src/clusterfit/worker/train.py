@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from clusterfit import __version__
 from clusterfit.data.folders import inspect_data
 from clusterfit.data.loaders import build_train_data, build_val_loader, normalize_on_device
+from clusterfit.data.quality import InputTally, describe
 from clusterfit.models import build_model
 from clusterfit.monitoring.sinks import open_metric_sinks
 from clusterfit.spec.model import JobSpec
@@ -24,6 +25,7 @@ from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_r
 from clusterfit.worker.dist import DistEnv, all_reduce_sum, init_distributed, pick_device
 from clusterfit.worker.evaluate import evaluate
 from clusterfit.worker.export import export_model
+from clusterfit.worker.inputs import InputWatch
 from clusterfit.worker.manifest import CHECKPOINT_DIR
 from clusterfit.worker.optim import build_optimizer, build_schedule, scaled_lr
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
@@ -42,6 +44,7 @@ class Progress:
     step_in_epoch: int = 0  # steps of that epoch already taken
     global_step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per finished epoch
+    inputs: dict[str, Any] = field(default_factory=dict)  # InputTally: unreadable files skipped so far
 
 
 @dataclass
@@ -123,6 +126,12 @@ class Trainer:
         self.store = CheckpointStore(self.out / CHECKPOINT_DIR, self.cfg.checkpoint.keep, env)
         self.progress = Progress()
         self.resumed_from = self._restore()
+        self.inputs = InputWatch(
+            InputTally.from_dict(self.progress.inputs),
+            samples_per_epoch=self.steps_per_epoch * self.global_batch,
+            max_bad_fraction=self.cfg.data.max_bad_fraction,
+            env=env,
+        )
         # NOTE: wrap after restoring, so DDP's initial broadcast sends the restored weights.
         self.ddp_model: nn.Module = self.model
         if env.is_distributed:
@@ -209,7 +218,13 @@ class Trainer:
             "train_loss": totals["loss"],
         }
 
+    def _sync_inputs(self) -> None:
+        """Collective: merge every rank's skipped files; stops the job when there are too many."""
+        self.inputs.sync([self.train_data, self.val_loader])
+        self.progress.inputs = self.inputs.tally.to_dict()
+
     def _log_interval(self, interval: LossMeter) -> None:
+        self._sync_inputs()
         progress = self.progress
         record = {
             "kind": "train",
@@ -271,6 +286,7 @@ class Trainer:
         return loaded.path
 
     def _save_checkpoint(self) -> None:
+        self._sync_inputs()
         shared = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -304,6 +320,7 @@ class Trainer:
         }
         exported = export_model(self.model, self.out / MODEL_DIR, metadata=metadata, image_size=cfg.data.image_size)
         log.info("exported %s", ", ".join(str(p) for p in exported))
+        log.info("%s", describe(self.inputs.tally))
         return write_summary(
             self.out,
             spec=self.spec,
@@ -317,6 +334,7 @@ class Trainer:
             peak_lr=self.peak_lr,
             steps=self.progress.global_step,
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
+            inputs=self.inputs.tally.to_dict(),
         )
 
 
