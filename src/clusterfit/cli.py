@@ -104,6 +104,36 @@ def validate(
     )
 
 
+data_app = typer.Typer(help="Prepare training data: pack folders into shards, stage from object storage.",
+                       no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("pack")
+def data_pack(
+    src: Annotated[str, typer.Argument(help="An ImageNet-layout folder: SRC/<class>/<image>.")],
+    dst: Annotated[str, typer.Argument(help="A new folder for shard-*.tar and index.json.")],
+    shard_size: Annotated[str, typer.Option("--shard-size", help="Bytes per shard, e.g. 256MB or 1GiB.")] = "256MB",
+    max_side: Annotated[int, typer.Option("--max-side", min=16, help="Longer image side after re-encoding.")] = 320,
+) -> None:
+    """Pack a folder into WebDataset-style tar shards (KEY.jpg + KEY.cls) with an index; bad images are skipped."""
+    from clusterfit.data.shards import pack_folder, parse_size
+
+    try:
+        size = parse_size(shard_size)
+        report = pack_folder(src, dst, shard_size=size, max_side=max_side)
+    except (SpecError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    for file, reason in report.skipped:
+        errors.print(f"skipped {file}: {reason}", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"packed {report.samples} images into {report.shards} shard(s), {report.bytes / 1e6:.1f} MB, in "
+        f"{report.seconds:.1f} s ({report.samples / max(report.seconds, 1e-9):.0f} images/s); "
+        f"skipped {len(report.skipped)}; index: {Path(dst) / 'index.json'}",
+        markup=False,
+    )
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 

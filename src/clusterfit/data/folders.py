@@ -28,7 +28,13 @@ class DataFacts:
 
 
 def inspect_folder(root: str, field: str) -> FolderInfo:
-    """Check that `root` is an ImageNet-layout folder; every problem becomes a one-line SpecError."""
+    """Check that `root` is an ImageNet-layout folder or a packed dataset; every problem becomes a one-line
+    SpecError."""
+    from clusterfit.data.shards import inspect_packed, is_packed  # shards imports this module
+
+    if is_packed(root):
+        classes, samples = inspect_packed(root, field)
+        return FolderInfo(classes=classes, image_count=samples)
     path = Path(root)
     if not path.exists():
         raise SpecError(f"{field} = {root!r}: no such folder; give an ImageNet-layout folder (<class>/<image>.jpg)")

@@ -22,6 +22,7 @@ class DataSpec(_Strict):
     num_classes: int | None = Field(None, ge=2)
     synthetic_images: int = Field(12_800, ge=1, description="images in one synthetic epoch")
     loader_workers: int | None = Field(None, ge=0, description="DataLoader processes per rank; null = auto")
+    shuffle_buffer: int = Field(2048, ge=1, description="packed datasets: samples shuffled together in a block")
     max_bad_fraction: float = Field(
         0.01, ge=0, le=1, description="the job fails once more unreadable files were skipped than this share of an epoch"
     )
