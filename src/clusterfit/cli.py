@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -132,6 +133,29 @@ def data_pack(
         f"skipped {len(report.skipped)}; index: {Path(dst) / 'index.json'}",
         markup=False,
     )
+
+
+@data_app.command("stage")
+def data_stage(
+    url: Annotated[str, typer.Argument(help="Where the data is: az://container/path, s3://bucket/path, file://...")],
+    cache_dir: Annotated[str, typer.Argument(metavar="DIR", help="The node-local cache folder.")],
+    account_name: Annotated[Optional[str], typer.Option(help="Storage account (az://).")] = None,  # noqa: UP045
+    endpoint: Annotated[Optional[str], typer.Option(help="Service endpoint URL (emulators).")] = None,  # noqa: UP045
+    workers: Annotated[int, typer.Option(min=1, max=64, help="Parallel transfers.")] = 8,
+) -> None:
+    """Copy a dataset from object storage into DIR, verified and resumable, as a job's workers would.
+
+    Credentials come from the environment: AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_KEY,
+    AZURE_STORAGE_SAS_TOKEN (or CLUSTERFIT_STORAGE_SAS_TOKEN), AWS_* for s3://."""
+    from clusterfit.data.staging import SAS_TOKEN_ENV, Credentials, describe, stage
+
+    token = os.environ.get(SAS_TOKEN_ENV) or os.environ.get("AZURE_STORAGE_SAS_TOKEN")
+    creds = Credentials(account_name=account_name, endpoint=endpoint, sas_token=token or None)
+    try:
+        report = stage(url, cache_dir, creds, workers=workers)
+    except SpecError as exc:
+        raise _fail(str(exc), 1) from None
+    console.print(describe(report), markup=False, soft_wrap=True)
 
 
 def _interrupt(signum: int, frame: object) -> None:
