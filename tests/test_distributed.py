@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli_command, exported_weights, max_abs_difference, run_cli, tiny_job, write_job
+from PIL import Image
 
 from clusterfit.models import build_model
 from clusterfit.scoring import load_classifier
@@ -125,8 +126,20 @@ def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path
     assert max_abs_difference(exported_weights(out), exported_weights(straight_run)) < 1e-6
 
 
+def _add_awkward_files(train: Path, val: Path) -> None:
+    """Files every real dataset has: two unusable ones and two odd-but-fine ones in train, a truncated one in val."""
+    (train / "class_0" / "empty.jpg").write_bytes(b"")
+    (train / "class_1" / "notes.jpg").write_text("not an image, whatever the extension says")
+    source = Image.open(train / "class_2" / "0000.jpg")
+    source.convert("CMYK").save(train / "class_2" / "cmyk.jpg")
+    source.convert("LA").save(train / "class_2" / "grey-alpha.png")
+    (val / "class_1" / "truncated.jpg").write_bytes((val / "class_1" / "0000.jpg").read_bytes()[:400])
+
+
 def test_imagefolder_end_to_end(tmp_path: Path, tiny_imagefolder: Path) -> None:
-    """A user's folder of JPEGs, 2 workers: validation counted exactly, model exported and usable."""
+    """A user's folder of JPEGs with a few bad files, 2 workers: the bad files are skipped and reported,
+    validation is counted exactly, the model is exported and usable."""
+    _add_awkward_files(tiny_imagefolder / "train", tiny_imagefolder / "val")
     job = tiny_job(
         tmp_path / "out",
         norm_layer="batch",
@@ -140,6 +153,7 @@ def test_imagefolder_end_to_end(tmp_path: Path, tiny_imagefolder: Path) -> None:
             "image_size": 32,
             "num_classes": None,
             "loader_workers": 1,
+            "max_bad_fraction": 0.1,
         },
     )
     result = _run_ok(write_job(tmp_path / "job.yaml", job))
@@ -151,7 +165,11 @@ def test_imagefolder_end_to_end(tmp_path: Path, tiny_imagefolder: Path) -> None:
     assert summary["final"]["val_images"] == 15  # 8 + 7 across 2 ranks: nothing padded or counted twice
     assert all(e["images_per_s"] > 0 for e in summary["epochs"])
     assert summary["world_size"] == 2 and summary["global_batch"] == 16
-    assert summary["steps"] == 2 * (48 // 16)
+    assert summary["steps"] == 2 * (50 // 16)
+    inputs = summary["inputs"]
+    assert sorted(Path(e["file"]).name for e in inputs["files"]) == ["empty.jpg", "notes.jpg", "truncated.jpg"]
+    assert inputs["by_reason"] == {"empty file": 1, "not an image": 1, "corrupt or truncated": 1}
+    assert "skipped 3 unreadable input files" in result.stdout
 
     classifier = load_classifier(out / "model")
     assert classifier.classes == ["class_0", "class_1", "class_2"]
@@ -185,9 +203,11 @@ def test_synthetic_end_to_end_and_rerun_of_a_finished_job(tmp_path: Path) -> Non
 
 
 def test_failed_job_names_the_rank_and_the_exception(tmp_path: Path, tiny_imagefolder: Path) -> None:
-    """A worker that raises: the launcher exits 1 and says which rank failed and why, in one line each."""
-    # NOTE: today an undecodable image stops the job; when bad images are skipped instead, pick another fault.
-    (tiny_imagefolder / "train" / "class_0" / "0000.jpg").write_bytes(b"not a jpeg at all")
+    """Most images unreadable: the job stops over max_bad_fraction, and the launcher exits 1 saying which
+    rank failed and why, naming the files, in one line each."""
+    for index, path in enumerate(sorted((tiny_imagefolder / "train").glob("*/*.jpg"))):
+        if index % 6:  # 40 of 48 files
+            path.write_bytes(b"not a jpeg at all")
     job = tiny_job(
         tmp_path / "out",
         steps_per_epoch=None,
@@ -200,8 +220,9 @@ def test_failed_job_names_the_rank_and_the_exception(tmp_path: Path, tiny_imagef
     assert errors[0] == "error: job tiny failed (exit code 1)"
     assert any(
         line.startswith("error: rank ")
-        and "UnidentifiedImageError: cannot identify image file" in line
-        and "0000.jpg" in line
+        and "BadInputError: " in line
+        and "unreadable input files, over trainer.data.max_bad_fraction = 0.01" in line
+        and ".jpg (not an image)" in line
         for line in errors
     ), errors
     assert errors[-1] == f"error: every rank's log is in {tmp_path / 'out' / 'logs'}"

@@ -217,3 +217,12 @@ def test_dry_run_prints_spec_and_command_and_starts_nothing(tmp_path: Path) -> N
     assert "-m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=2" in command
     assert f"-m clusterfit.worker --spec {tmp_path / 'out' / 'job.yaml'}" in command
     assert not (tmp_path / "out").exists()
+
+
+def test_sas_token_is_never_printed_or_written_by_the_launcher(tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "out")
+    job["storage"] = {"account_name": "acct", "sas_token": "sv=2024&sig=SECRETSIGNATURE"}
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "SECRETSIGNATURE" not in result.stdout + result.stderr
+    assert yaml.safe_load(result.stdout.split("# local backend command")[0])["storage"]["sas_token"] is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -104,6 +105,60 @@ def validate(
     )
 
 
+data_app = typer.Typer(
+    help="Prepare training data: pack folders into shards, stage from object storage.", no_args_is_help=True
+)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("pack")
+def data_pack(
+    src: Annotated[str, typer.Argument(help="An ImageNet-layout folder: SRC/<class>/<image>.")],
+    dst: Annotated[str, typer.Argument(help="A new folder for shard-*.tar and index.json.")],
+    shard_size: Annotated[str, typer.Option("--shard-size", help="Bytes per shard, e.g. 256MB or 1GiB.")] = "256MB",
+    max_side: Annotated[int, typer.Option("--max-side", min=16, help="Longer image side after re-encoding.")] = 320,
+) -> None:
+    """Pack a folder into WebDataset-style tar shards (KEY.jpg + KEY.cls) with an index; bad images are skipped."""
+    from clusterfit.data.shards import pack_folder, parse_size
+
+    try:
+        size = parse_size(shard_size)
+        report = pack_folder(src, dst, shard_size=size, max_side=max_side)
+    except (SpecError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    for file, reason in report.skipped:
+        errors.print(f"skipped {file}: {reason}", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"packed {report.samples} images into {report.shards} shard(s), {report.bytes / 1e6:.1f} MB, in "
+        f"{report.seconds:.1f} s ({report.samples / max(report.seconds, 1e-9):.0f} images/s); "
+        f"skipped {len(report.skipped)}; index: {Path(dst) / 'index.json'}",
+        markup=False,
+    )
+
+
+@data_app.command("stage")
+def data_stage(
+    url: Annotated[str, typer.Argument(help="Where the data is: az://container/path, s3://bucket/path, file://...")],
+    cache_dir: Annotated[str, typer.Argument(metavar="DIR", help="The node-local cache folder.")],
+    account_name: Annotated[Optional[str], typer.Option(help="Storage account (az://).")] = None,  # noqa: UP045
+    endpoint: Annotated[Optional[str], typer.Option(help="Service endpoint URL (emulators).")] = None,  # noqa: UP045
+    workers: Annotated[int, typer.Option(min=1, max=64, help="Parallel transfers.")] = 8,
+) -> None:
+    """Copy a dataset from object storage into DIR, verified and resumable, as a job's workers would.
+
+    Credentials come from the environment: AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_KEY,
+    AZURE_STORAGE_SAS_TOKEN (or CLUSTERFIT_STORAGE_SAS_TOKEN), AWS_* for s3://."""
+    from clusterfit.data.staging import SAS_TOKEN_ENV, Credentials, describe, stage
+
+    token = os.environ.get(SAS_TOKEN_ENV) or os.environ.get("AZURE_STORAGE_SAS_TOKEN")
+    creds = Credentials(account_name=account_name, endpoint=endpoint, sas_token=token or None)
+    try:
+        report = stage(url, cache_dir, creds, workers=workers)
+    except SpecError as exc:
+        raise _fail(str(exc), 1) from None
+    console.print(describe(report), markup=False, soft_wrap=True)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -126,6 +181,11 @@ def _print_summary(out: Path) -> None:
             "-" if top1 is None else f"{top1:.3f}",
         )
     console.print(table)
+    inputs = summary.get("inputs") or {}
+    if inputs.get("skipped_files"):
+        reasons = ", ".join(f"{count} {reason}" for reason, count in inputs["by_reason"].items())
+        worst = ", ".join(entry["file"] for entry in inputs["files"][:3])
+        console.print(f"skipped {inputs['skipped_files']} unreadable input files ({reasons}): {worst}", markup=False)
     console.print(f"model: {', '.join(summary['exported'])}")
     console.print(
         f"summary: {out / SUMMARY_FILE}  metrics: {out / 'metrics.jsonl'}  tensorboard: {out / 'tensorboard'}"

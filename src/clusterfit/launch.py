@@ -12,8 +12,9 @@ from clusterfit.worker.manifest import CHECKPOINT_DIR, published, read_manifest
 
 def preflight(spec: JobSpec) -> None:
     """Raise SpecError for data that is missing or too small, and for outputs holding another job's checkpoints."""
-    facts = inspect_data(spec.trainer.data)
-    steps_per_epoch(spec.trainer, facts, spec.world_size)
+    facts = inspect_data(spec.trainer.data, spec.storage)
+    if facts.train_images is not None:  # data at a URL is counted by the workers, once staged
+        steps_per_epoch(spec.trainer, facts, spec.world_size)
     latest = published(Path(spec.outputs.dir) / CHECKPOINT_DIR)
     if latest:
         saved = read_manifest(latest[0])

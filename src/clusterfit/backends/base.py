@@ -17,6 +17,8 @@ class Rendered:
     command: list[str]
     env: dict[str, str] = field(default_factory=dict)  # only the variables clusterfit sets
     files: dict[str, str] = field(default_factory=dict)  # path -> content written before launch
+    # Passed to the workers but never printed or written (storage.sas_token).
+    secret_env: dict[str, str] = field(default_factory=dict, repr=False)
 
     def as_text(self) -> str:
         env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(self.env.items()))

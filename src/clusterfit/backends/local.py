@@ -17,6 +17,7 @@ from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
 from clusterfit.spec.model import JobSpec
 
 RESOLVED_SPEC = "job.yaml"
+STORAGE_SAS_TOKEN_ENV = "CLUSTERFIT_STORAGE_SAS_TOKEN"  # read by clusterfit.data.staging in the workers
 _CANCEL_GRACE_S = 20.0
 
 
@@ -28,6 +29,11 @@ def threads_per_worker(processes: int, cores: int | None = None) -> int:
 
 def resolved_spec_text(spec: JobSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+def storage_secret_env(spec: JobSpec) -> dict[str, str]:
+    token = spec.storage.sas_token
+    return {STORAGE_SAS_TOKEN_ENV: token.get_secret_value()} if token else {}
 
 
 def torchrun_command(spec: JobSpec, *, python: str = sys.executable) -> list[str]:
@@ -67,6 +73,7 @@ class LocalBackend:
                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
             },
             files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(spec)},
+            secret_env=storage_secret_env(spec),
         )
 
     def submit(self, spec: JobSpec) -> LocalRun:
@@ -80,7 +87,7 @@ class LocalBackend:
         with open(log_dir / AGENT_LOG, "a") as agent_log:
             process = subprocess.Popen(
                 rendered.command,
-                env={**os.environ, **rendered.env},
+                env={**os.environ, **rendered.env, **rendered.secret_env},
                 stdout=agent_log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

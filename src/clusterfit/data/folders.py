@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clusterfit.spec.errors import SpecError
-from clusterfit.spec.model import DataSpec, TrainerSpec
+from clusterfit.spec.model import DataSpec, StorageSpec, TrainerSpec
 
 # The extensions torchvision's ImageFolder accepts.
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -23,12 +23,18 @@ class DataFacts:
     """What the trainer must know about the data before building the model."""
 
     classes: list[str]
-    train_images: int
+    train_images: int | None  # None: at a URL, known once staged
     val_images: int
 
 
 def inspect_folder(root: str, field: str) -> FolderInfo:
-    """Check that `root` is an ImageNet-layout folder; every problem becomes a one-line SpecError."""
+    """Check that `root` is an ImageNet-layout folder or a packed dataset; every problem becomes a one-line
+    SpecError."""
+    from clusterfit.data.shards import inspect_packed, is_packed  # shards imports this module
+
+    if is_packed(root):
+        classes, samples = inspect_packed(root, field)
+        return FolderInfo(classes=classes, image_count=samples)
     path = Path(root)
     if not path.exists():
         raise SpecError(f"{field} = {root!r}: no such folder; give an ImageNet-layout folder (<class>/<image>.jpg)")
@@ -45,11 +51,19 @@ def inspect_folder(root: str, field: str) -> FolderInfo:
     return FolderInfo(classes=classes, image_count=count)
 
 
-def inspect_data(data: DataSpec) -> DataFacts:
-    """Check the spec's data against the file system; raises SpecError naming the field to fix."""
+def inspect_data(data: DataSpec, storage: StorageSpec | None = None) -> DataFacts:
+    """Check the spec's data against the file system (or, for URLs, the storage service's listing);
+    raises SpecError naming the field to fix."""
     if data.is_synthetic:
         assert data.num_classes is not None
         return DataFacts([str(i) for i in range(data.num_classes)], data.synthetic_images, 0)
+    from clusterfit.data.staging import is_url, remote_summary
+
+    if is_url(data.train):
+        classes, count = remote_summary(data.train, storage or StorageSpec(), "trainer.data.train")
+        if data.val is not None and is_url(data.val):
+            remote_summary(data.val, storage or StorageSpec(), "trainer.data.val")
+        return DataFacts(classes, count, 0)
     train = inspect_folder(data.train, "trainer.data.train")
     if data.num_classes is not None and data.num_classes != len(train.classes):
         raise SpecError(
@@ -57,7 +71,9 @@ def inspect_data(data: DataSpec) -> DataFacts:
             "remove num_classes or make them agree"
         )
     val_images = 0
-    if data.val is not None:
+    if data.val is not None and is_url(data.val):
+        remote_summary(data.val, storage or StorageSpec(), "trainer.data.val")
+    elif data.val is not None:
         val = inspect_folder(data.val, "trainer.data.val")
         unknown = sorted(set(val.classes) - set(train.classes))
         if unknown:
@@ -70,6 +86,8 @@ def inspect_data(data: DataSpec) -> DataFacts:
 
 def steps_per_epoch(trainer: TrainerSpec, facts: DataFacts, world_size: int) -> int:
     global_batch = trainer.batch_size * world_size
+    if facts.train_images is None:
+        raise ValueError("the training data must be staged before its steps can be counted")
     full = facts.train_images // global_batch
     if full == 0:
         raise SpecError(

@@ -3,41 +3,100 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler
 from torchvision.datasets.folder import make_dataset
-from torchvision.transforms import v2
 
+from clusterfit.data.decode import BadImage
 from clusterfit.data.folders import IMG_EXTENSIONS
+from clusterfit.data.quality import BadInputError, BadRead
+from clusterfit.data.transforms import CenterCrop, TrainCrop
+
+# How many other samples a training item tries before giving up; enough for any dataset whose bad share is
+# under the job's threshold, and bounded so that a folder of nothing but bad files fails fast.
+_SUBSTITUTE_TRIES = 64
 
 
 class LabeledImages(Dataset):
-    """(path, label) pairs decoded by PIL and transformed to a uint8 CHW tensor."""
+    """(path, label) pairs -> (uint8 CHW tensor | None, label, bad reads).
 
-    def __init__(self, samples: list[tuple[str, int]], transform: v2.Transform) -> None:
+    A file that cannot be decoded never stops the job. It is recorded as a bad read (file, reason), and
+    then either replaced by another sample (`substitute=True`, for training: every batch keeps its size,
+    so ranks stay in step) or dropped (`substitute=False`, for validation: no image is counted twice)."""
+
+    def __init__(self, samples: list[tuple[str, int]], transform: Callable[[str], torch.Tensor], substitute: bool):
         self.samples = samples
         self.transform = transform
+        self.substitute = substitute
+        # A step coprime with the length visits every sample before repeating one.
+        self._stride = next(s for s in range(7919, 7919 + len(samples) + 2) if math.gcd(s, max(1, len(samples))) == 1)
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.samples[index]
-        with Image.open(path) as img:
-            return self.transform(img.convert("RGB")), label
+    def __getitem__(self, index: int) -> tuple[torch.Tensor | None, int, list[BadRead]]:
+        bad: list[BadRead] = []
+        tries = min(_SUBSTITUTE_TRIES, len(self.samples)) if self.substitute else 1
+        for attempt in range(tries):
+            path, label = self.samples[(index + attempt * self._stride) % len(self.samples)]
+            try:
+                return self.transform(path), label, bad
+            except BadImage as exc:
+                bad.append((path, exc.reason))
+        if not self.substitute:
+            return None, self.samples[index][1], bad
+        raise BadInputError(
+            f"none of {tries} samples tried in a row could be decoded ({bad[0][0]}: {bad[0][1]}, ...); "
+            "check the data folder"
+        )
 
 
-def train_transform(image_size: int) -> v2.Transform:
-    return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(image_size, antialias=True), v2.RandomHorizontalFlip()])
+def collate_labeled(
+    items: list[tuple[torch.Tensor | None, int, list[BadRead]]],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, int, list[BadRead]]:
+    """Stack the good samples; pass on how many reads were made and which failed, for the main process."""
+    good = [(image, label) for image, label, _ in items if image is not None]
+    bad = [read for _, _, reads in items for read in reads]
+    reads = len(good) + len(bad)
+    if not good:
+        return None, None, reads, bad
+    return torch.stack([g[0] for g in good]), torch.tensor([g[1] for g in good], dtype=torch.int64), reads, bad
 
 
-def val_transform(image_size: int) -> v2.Transform:
-    # The classic ImageNet evaluation: resize to size/0.875, then a centre crop.
-    return v2.Compose([v2.PILToTensor(), v2.Resize(int(image_size / 0.875), antialias=True), v2.CenterCrop(image_size)])
+class CountedBatches:
+    """Iterates a loader of `collate_labeled` batches as (images, labels), keeping the read counts until
+    the trainer takes them: this runs in the rank's main process, so counts from every DataLoader worker
+    arrive here with their batches."""
+
+    def __init__(self, loader: Iterable[tuple[torch.Tensor | None, torch.Tensor | None, int, list[BadRead]]]):
+        self.loader = loader
+        self._reads = 0
+        self._bad: list[BadRead] = []
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        for images, labels, reads, bad in self.loader:
+            self._reads += reads
+            self._bad.extend(bad)
+            if images is not None and labels is not None:
+                yield images, labels
+
+    def take_reads(self) -> tuple[int, list[BadRead]]:
+        """Reads and bad reads since the last call."""
+        reads, bad = self._reads, self._bad
+        self._reads, self._bad = 0, []
+        return reads, bad
+
+
+def train_transform(image_size: int) -> TrainCrop:
+    return TrainCrop(image_size)
+
+
+def val_transform(image_size: int) -> CenterCrop:
+    return CenterCrop(image_size)
 
 
 def list_samples(root: str, classes: list[str]) -> list[tuple[str, int]]:
@@ -78,7 +137,7 @@ class ShardSampler(Sampler[int]):
 
 
 class FolderTrainData:
-    def __init__(self, loader: DataLoader, sampler: ResumableSampler, steps_per_epoch: int, batch_size: int) -> None:
+    def __init__(self, loader: CountedBatches, sampler: ResumableSampler, steps_per_epoch: int, batch_size: int):
         self.loader = loader
         self.sampler = sampler
         self.steps_per_epoch = steps_per_epoch
@@ -87,3 +146,6 @@ class FolderTrainData:
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self.sampler.set_position(epoch, start_step * self.batch_size)
         yield from itertools.islice(self.loader, self.steps_per_epoch - start_step)
+
+    def take_reads(self) -> tuple[int, list[BadRead]]:
+        return self.loader.take_reads()

@@ -14,14 +14,19 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from clusterfit.data.folders import DataFacts, steps_per_epoch
 from clusterfit.data.imagefolder import (
+    CountedBatches,
     FolderTrainData,
     LabeledImages,
     ResumableSampler,
     ShardSampler,
+    collate_labeled,
     list_samples,
     train_transform,
     val_transform,
 )
+from clusterfit.data.quality import BadRead
+from clusterfit.data.shardreader import ShardEvalSamples, ShardTrainSamples, as_is
+from clusterfit.data.shards import is_packed, read_index
 from clusterfit.data.synthetic import SyntheticData
 from clusterfit.spec.model import DataSpec, TrainerSpec
 
@@ -33,6 +38,10 @@ class TrainData(Protocol):
     steps_per_epoch: int
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]: ...
+
+    def take_reads(self) -> tuple[int, list[BadRead]]:
+        """Samples read since the last call, and the (file, reason) of each that could not be used."""
+        ...
 
 
 def loader_workers(data: DataSpec, local_world_size: int) -> int:
@@ -57,11 +66,25 @@ def build_train_data(
             steps_per_epoch=steps,
             seed=trainer.seed,
         )
-    dataset = LabeledImages(list_samples(data.train, facts.classes), train_transform(data.image_size))
+    workers = loader_workers(data, local_world_size)
+    if is_packed(data.train):
+        shards = ShardTrainSamples(
+            read_index(data.train),
+            train_transform(data.image_size),
+            seed=trainer.seed,
+            rank=rank,
+            world_size=world_size,
+            batch_size=trainer.batch_size,
+            steps_per_epoch=steps,
+            block_steps=max(1, data.shuffle_buffer // trainer.batch_size),
+        )
+        # NOTE: not persistent: workers must copy the dataset's (epoch, start step) when an epoch starts.
+        loader = DataLoader(shards, batch_size=None, num_workers=workers, pin_memory=pin_memory, collate_fn=as_is)
+        return ShardTrainData(CountedBatches(loader), shards, steps)
+    dataset = LabeledImages(list_samples(data.train, facts.classes), train_transform(data.image_size), substitute=True)
     sampler = ResumableSampler(
         DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=trainer.seed, drop_last=True)
     )
-    workers = loader_workers(data, local_world_size)
     loader = DataLoader(
         dataset,
         batch_size=trainer.batch_size,
@@ -69,26 +92,54 @@ def build_train_data(
         num_workers=workers,
         pin_memory=pin_memory,
         drop_last=True,
+        collate_fn=collate_labeled,
         persistent_workers=workers > 0,
         generator=torch.Generator().manual_seed(trainer.seed + rank),
     )
-    return FolderTrainData(loader, sampler, steps, trainer.batch_size)
+    return FolderTrainData(CountedBatches(loader), sampler, steps, trainer.batch_size)
 
 
 def build_val_loader(
     trainer: TrainerSpec, facts: DataFacts, *, rank: int, world_size: int, local_world_size: int, pin_memory: bool
-) -> DataLoader | None:
+) -> CountedBatches | None:
+    """Each rank scores its own unpadded share; unreadable files are dropped (and counted), never replaced."""
     data = trainer.data
     if data.val is None:
         return None
-    dataset = LabeledImages(list_samples(data.val, facts.classes), val_transform(data.image_size))
-    return DataLoader(
+    if is_packed(data.val):
+        shards = ShardEvalSamples(
+            read_index(data.val),
+            val_transform(data.image_size),
+            rank=rank,
+            world_size=world_size,
+            batch_size=trainer.batch_size,
+        )
+        workers = loader_workers(data, local_world_size)
+        return CountedBatches(
+            DataLoader(shards, batch_size=None, num_workers=workers, pin_memory=pin_memory, collate_fn=as_is)
+        )
+    dataset = LabeledImages(list_samples(data.val, facts.classes), val_transform(data.image_size), substitute=False)
+    loader = DataLoader(
         dataset,
         batch_size=trainer.batch_size,
         sampler=ShardSampler(len(dataset), rank, world_size),
         num_workers=loader_workers(data, local_world_size),
         pin_memory=pin_memory,
+        collate_fn=collate_labeled,
     )
+    return CountedBatches(loader)
+
+
+class ShardTrainData:
+    def __init__(self, loader: CountedBatches, shards: ShardTrainSamples, steps_per_epoch: int) -> None:
+        self.loader, self.shards, self.steps_per_epoch = loader, shards, steps_per_epoch
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self.shards.set_position(epoch, start_step)
+        yield from self.loader
+
+    def take_reads(self) -> tuple[int, list[BadRead]]:
+        return self.loader.take_reads()
 
 
 def normalize_on_device(images: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:

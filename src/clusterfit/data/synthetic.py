@@ -36,6 +36,9 @@ class SyntheticData:
         for step in range(start_step, self.steps_per_epoch):
             yield self._batches[step % _DISTINCT_BATCHES]
 
+    def take_reads(self) -> tuple[int, list[tuple[str, str]]]:
+        return 0, []  # generated, never read from files
+
 
 def _make_batch(sample_ids: range, image_size: int, num_classes: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = [], []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, model_validator
 
 MODEL_NAMES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnet_tiny")
 SYNTHETIC = "synthetic"
@@ -16,12 +16,22 @@ class _Strict(BaseModel):
 
 
 class DataSpec(_Strict):
-    train: str = SYNTHETIC
+    train: str = SYNTHETIC  # "synthetic", a folder, a packed dataset, or a URL (az://, s3://, file://) of either
     val: str | None = None
+    mode: Literal["download"] = Field("download", description="URLs are copied once per node into cache_dir")
+    cache_dir: str = Field("~/.cache/clusterfit/data", description="node-local folder for staged URLs")
+    stage_workers: int = Field(8, ge=1, le=64, description="parallel transfers when staging")
     image_size: int = Field(224, ge=16, le=1024)
     num_classes: int | None = Field(None, ge=2)
     synthetic_images: int = Field(12_800, ge=1, description="images in one synthetic epoch")
     loader_workers: int | None = Field(None, ge=0, description="DataLoader processes per rank; null = auto")
+    shuffle_buffer: int = Field(2048, ge=1, description="packed datasets: samples shuffled together in a block")
+    max_bad_fraction: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="the job fails once more unreadable files were skipped than this share of an epoch",
+    )
 
     @model_validator(mode="after")
     def _val_is_not_train(self) -> DataSpec:
@@ -137,6 +147,20 @@ class TrainerSpec(_Strict):
         return self
 
 
+class StorageSpec(_Strict):
+    """Credentials for URL inputs, when the environment (AZURE_STORAGE_*, AWS_*) does not provide them."""
+
+    account_name: str | None = None
+    endpoint: str | None = Field(None, description="blob/S3 endpoint URL, for emulators and other clouds")
+    sas_token: SecretStr | None = None
+
+    @field_serializer("sas_token")
+    def _never_written(self, value: SecretStr | None) -> None:
+        # NOTE: the token is never written anywhere (job.yaml, checkpoints, summary.json); the launcher hands it
+        # to the workers in their environment.
+        return None
+
+
 class DistributionSpec(_Strict):
     type: Literal["pytorch"] = "pytorch"
     process_count_per_instance: int = Field(1, ge=1, le=1024)
@@ -159,6 +183,7 @@ class JobSpec(_Strict):
     distribution: DistributionSpec = DistributionSpec()
     resources: ResourcesSpec = ResourcesSpec()
     outputs: OutputsSpec
+    storage: StorageSpec = StorageSpec()
 
     @model_validator(mode="after")
     def _pipeline_fits_the_workers(self) -> JobSpec:

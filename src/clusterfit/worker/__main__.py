@@ -10,6 +10,7 @@ import sys
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from clusterfit.backends.rank_logs import RANK_LOG_ENV
+from clusterfit.data.staging import stage_inputs
 from clusterfit.spec import load_spec
 from clusterfit.worker.dist import read_dist_env, shutdown_distributed
 from clusterfit.worker.train import train
@@ -26,7 +27,11 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S", stream=sys.stdout)
     try:
-        train(load_spec(args.spec), read_dist_env())
+        # Inputs at URLs are copied to this node first (one rank copies, the others wait), so the trainer
+        # only ever sees local paths.
+        run_token = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getppid()))
+        spec = stage_inputs(load_spec(args.spec), run_token, log=logging.getLogger("clusterfit.data").info)
+        train(spec, read_dist_env())
     finally:
         shutdown_distributed()
     return 0

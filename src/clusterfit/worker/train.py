@@ -18,6 +18,7 @@ from torch import nn
 from clusterfit import __version__
 from clusterfit.data.folders import inspect_data
 from clusterfit.data.loaders import build_train_data, build_val_loader, normalize_on_device
+from clusterfit.data.quality import InputTally, describe
 from clusterfit.models import build_model
 from clusterfit.monitoring.sinks import open_metric_sinks
 from clusterfit.spec.model import JobSpec
@@ -25,6 +26,7 @@ from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_r
 from clusterfit.worker.dist import DistEnv, all_reduce_sum, init_distributed, pick_device
 from clusterfit.worker.evaluate import evaluate
 from clusterfit.worker.export import export_model
+from clusterfit.worker.inputs import InputWatch
 from clusterfit.worker.manifest import CHECKPOINT_DIR
 from clusterfit.worker.optim import build_optimizer, build_schedule, scaled_lr
 from clusterfit.worker.parallel import Strategy, parallelize
@@ -44,6 +46,7 @@ class Progress:
     step_in_epoch: int = 0  # steps of that epoch already taken
     global_step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per finished epoch
+    inputs: dict[str, Any] = field(default_factory=dict)  # InputTally: unreadable files skipped so far
 
 
 @dataclass
@@ -130,6 +133,12 @@ class Trainer:
         self.store = CheckpointStore(self.out / CHECKPOINT_DIR, self.cfg.checkpoint.keep, env)
         self.progress = Progress()
         self.resumed_from = self._restore()
+        self.inputs = InputWatch(
+            InputTally.from_dict(self.progress.inputs),
+            samples_per_epoch=self.steps_per_epoch * self.global_batch,
+            max_bad_fraction=self.cfg.data.max_bad_fraction,
+            env=env,
+        )
         self.sinks = open_metric_sinks(self.out, env.is_main)
 
     def run(self) -> dict[str, Any] | None:
@@ -210,7 +219,13 @@ class Trainer:
             "train_loss": totals["loss"],
         }
 
+    def _sync_inputs(self) -> None:
+        """Collective: merge every rank's skipped files; stops the job when there are too many."""
+        self.inputs.sync([self.train_data, self.val_loader])
+        self.progress.inputs = self.inputs.tally.to_dict()
+
     def _log_interval(self, interval: LossMeter) -> None:
+        self._sync_inputs()
         progress = self.progress
         record = {
             "kind": "train",
@@ -274,6 +289,7 @@ class Trainer:
         return loaded.path
 
     def _save_checkpoint(self) -> None:
+        self._sync_inputs()
         full = self.strategy.full_state(self.optimizer)  # collective; the state lands on the main rank only
         model_state, optim_state = full if full is not None else ({}, {})
         shared = {
@@ -324,6 +340,7 @@ class Trainer:
         }
         exported = export_model(model, self.out / MODEL_DIR, metadata=metadata, image_size=cfg.data.image_size)
         log.info("exported %s", ", ".join(str(p) for p in exported))
+        log.info("%s", describe(self.inputs.tally))
         return write_summary(
             self.out,
             spec=self.spec,
@@ -339,4 +356,5 @@ class Trainer:
             resumed_from=str(self.resumed_from) if self.resumed_from else None,
             strategy=self.strategy.name,
             peak_memory_bytes_per_rank=peak_memory,
+            inputs=self.inputs.tally.to_dict(),
         )

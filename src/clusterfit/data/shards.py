@@ -1,0 +1,319 @@
+"""Packed datasets: an ImageNet-layout folder turned into tar shards, plus an index. No torch here: the
+launcher checks packed datasets and `clusterfit data pack` writes them without it.
+
+A packed dataset is a folder holding `index.json` and `shard-NNNNNN.tar` files. The shards follow
+WebDataset's naming (members `KEY.jpg` + `KEY.cls`, the class index as text, consecutive per sample), so
+webdataset and other tar-shard readers can read them too. Samples are shuffled once when packing, so every
+shard mixes all classes; the trainer shuffles the shard order and a buffer of samples every epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import re
+import tarfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from clusterfit.data.decode import BadImage, decode_rgb, open_image
+from clusterfit.data.folders import IMG_EXTENSIONS, inspect_folder
+from clusterfit.spec.errors import SpecError
+
+INDEX = "index.json"
+INDEX_FORMAT = "clusterfit-shards/1"
+SHARD_NAME = "shard-{:06d}.tar"
+_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_JPEG_QUALITY = 90
+
+
+class ShardError(ValueError):
+    """A packed dataset that cannot be used as it is; one line naming the shard and the problem."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str
+    samples: int
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class PackedIndex:
+    root: Path
+    classes: list[str]
+    samples: int
+    shards: list[ShardInfo]
+    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    def shard_path(self, shard: ShardInfo) -> Path:
+        return self.root / shard.name
+
+
+def is_packed(root: str | Path) -> bool:
+    return (Path(root) / INDEX).is_file()
+
+
+def read_index(root: str | Path) -> PackedIndex:
+    path = Path(root) / INDEX
+    try:
+        raw = json.loads(path.read_text())
+        shards = [ShardInfo(s["name"], int(s["samples"]), int(s["bytes"]), s["sha256"]) for s in raw["shards"]]
+        index = PackedIndex(Path(root), list(raw["classes"]), int(raw["samples"]), shards, raw)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ShardError(f"{path}: not a packed-dataset index ({exc}); pack the folder again") from None
+    for shard in shards:
+        if "/" in shard.name or shard.name.startswith(".") or not shard.name.endswith(".tar"):
+            raise ShardError(f"{path}: shard name {shard.name!r} is not a plain NAME.tar in the dataset folder")
+    return index
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+
+def member_key(name: str, shard: str) -> tuple[str, str]:
+    """`KEY.ext` -> (KEY, ext); any path, absolute name or `..` is refused: members never leave the shard."""
+    if "/" in name or "\\" in name or name.startswith(".") or ".." in name:
+        raise ShardError(f"{shard}: member {name!r} has a path that escapes the shard; refusing this shard")
+    key, dot, ext = name.partition(".")
+    if not dot or not _KEY.match(key):
+        raise ShardError(f"{shard}: member {name!r} is not named KEY.ext; refusing this shard")
+    return key, ext
+
+
+def iter_samples(path: Path, skip: int = 0, limit: int | None = None) -> Iterator[tuple[str, bytes, int]]:
+    """(key, image bytes, class index) for samples skip .. skip+limit of one shard, in shard order.
+
+    Skipped samples cost only header reads: the data of their members is seeked over."""
+    end = math.inf if limit is None else skip + limit
+    with tarfile.open(path, "r:") as tar:
+        position, current, parts = -1, None, {}
+        for member in tar:
+            if not member.isfile():
+                raise ShardError(f"{path.name}: member {member.name!r} is not a regular file; refusing this shard")
+            key, ext = member_key(member.name, path.name)
+            if key != current:
+                if current is not None:
+                    position += 1
+                    if skip <= position < end:
+                        yield _sample(tar, path.name, current, parts)
+                    if position + 1 >= end:
+                        return
+                current, parts = key, {}
+            parts[ext] = member
+        if current is not None and skip <= position + 1 < end:
+            yield _sample(tar, path.name, current, parts)
+
+
+def _sample(tar: tarfile.TarFile, shard: str, key: str, parts: dict[str, tarfile.TarInfo]) -> tuple[str, bytes, int]:
+    if "jpg" not in parts or "cls" not in parts:
+        raise ShardError(f"{shard}: sample {key!r} lacks a .jpg or .cls member")
+    return key, _read_member(tar, parts["jpg"], shard), int(_read_member(tar, parts["cls"], shard).decode().strip())
+
+
+def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, shard: str) -> bytes:
+    handle = tar.extractfile(member)
+    if handle is None:
+        raise ShardError(f"{shard}: member {member.name!r} has no data")
+    return handle.read()
+
+
+def check_members(path: Path) -> int:
+    """Read every member header of a shard (no data); returns the sample count, raises ShardError."""
+    keys: set[str] = set()
+    with tarfile.open(path, "r:") as tar:
+        for member in tar:
+            if not member.isfile():
+                raise ShardError(f"{path.name}: member {member.name!r} is not a regular file; refusing this shard")
+            keys.add(member_key(member.name, path.name)[0])
+    return len(keys)
+
+
+def inspect_packed(root: str, field_name: str) -> tuple[list[str], int]:
+    """Check a packed dataset before training: index, shard sizes, member names. Returns (classes, samples)."""
+    try:
+        index = read_index(root)
+        for shard in index.shards:
+            path = index.shard_path(shard)
+            if not path.is_file():
+                raise ShardError(f"shard {shard.name} is missing")
+            if path.stat().st_size != shard.bytes:
+                raise ShardError(f"shard {shard.name} has {path.stat().st_size} bytes, the index says {shard.bytes}")
+            if check_members(path) != shard.samples:
+                raise ShardError(f"shard {shard.name} does not hold the {shard.samples} samples the index lists")
+    except (ShardError, tarfile.TarError, OSError) as exc:
+        raise SpecError(f"{field_name} = {root!r}: {' '.join(str(exc).split())}") from None
+    if index.samples == 0:
+        raise SpecError(f"{field_name} = {root!r}: the packed dataset holds no samples")
+    return index.classes, index.samples
+
+
+# ---------------------------------------------------------------------------------------------- packing
+
+
+@dataclass
+class PackReport:
+    samples: int = 0
+    shards: int = 0
+    bytes: int = 0
+    kept_original: int = 0
+    seconds: float = 0.0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def parse_size(text: str) -> int:
+    """'256MB' -> bytes; K/M/G (powers of 1000) or KiB/MiB/GiB (powers of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)B?\s*", text.upper())
+    if not match:
+        raise ValueError(f"--shard-size {text!r}: expected a size such as 256MB or 1GiB")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " KMGT".index(unit or " "))
+
+
+def encode_sample(path: str, max_side: int) -> bytes:
+    """JPEG bytes with the longer side at most `max_side`; small RGB/grey JPEGs are kept byte for byte."""
+    img = open_image(path)
+    width, height = img.size
+    keep = img.format == "JPEG" and img.mode in ("RGB", "L") and max(width, height) <= max_side
+    factor = min(1.0, max_side / max(width, height))
+    try:
+        rgb = decode_rgb(img, (max(1, math.ceil(width * factor)), max(1, math.ceil(height * factor))))
+    except BadImage:
+        img.close()
+        raise
+    if keep:  # it decodes, and is small enough: no second lossy encoding
+        img.close()
+        with open(path, "rb") as f:
+            return f.read()
+    if max(rgb.size) > max_side:
+        rgb.thumbnail((max_side, max_side), Image.Resampling.LANCZOS, reducing_gap=3.0)
+    buffer = io.BytesIO()
+    rgb.save(buffer, format="JPEG", quality=_JPEG_QUALITY)
+    img.close()
+    return buffer.getvalue()
+
+
+def _encode_job(job: tuple[str, int]) -> tuple[bytes | None, str]:
+    path, max_side = job
+    try:
+        return encode_sample(path, max_side), ""
+    except BadImage as exc:
+        return None, exc.reason
+
+
+def pack_folder(
+    src: str, dst: str, *, shard_size: int = 256_000_000, max_side: int = 320, workers: int | None = None, seed: int = 0
+) -> PackReport:
+    """Write `dst/shard-*.tar` and `dst/index.json` from an ImageNet-layout folder. Unreadable images are
+    skipped and listed in the report and the index. The index is written last: a folder without one is an
+    unfinished pack."""
+    started = time.perf_counter()
+    info = inspect_folder(src, "SRC")
+    out = Path(dst)
+    if out.exists() and any(out.iterdir()):
+        raise SpecError(f"DST = {dst!r}: exists and is not empty; give a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    samples = [
+        (str(path), label)
+        for label, cls in enumerate(info.classes)
+        for path in sorted((Path(src) / cls).iterdir())
+        if path.suffix.lower() in IMG_EXTENSIONS and path.is_file()
+    ]
+    random.Random(seed).shuffle(samples)  # every shard mixes the classes
+    report = PackReport()
+    writer = _ShardWriter(out, shard_size)
+    counts: Counter[str] = Counter()
+    workers = workers or max(1, len(os.sched_getaffinity(0)))
+    with ProcessPoolExecutor(workers) as pool:
+        encoded = pool.map(_encode_job, [(path, max_side) for path, _ in samples], chunksize=16)
+        for (path, label), (data, reason) in zip(samples, encoded, strict=True):
+            if data is None:
+                report.skipped.append((path, reason))
+                continue
+            writer.add(f"{report.samples:09d}", data, label)
+            counts[info.classes[label]] += 1
+            report.samples += 1
+    shards = writer.close()
+    index = {
+        "format": INDEX_FORMAT,
+        "classes": info.classes,
+        "samples": report.samples,
+        "class_counts": {cls: counts[cls] for cls in info.classes},
+        "max_side": max_side,
+        "source": str(Path(src).resolve()),
+        "shards": [shard.__dict__ for shard in shards],
+        "skipped": [{"file": f, "reason": r} for f, r in report.skipped],
+    }
+    tmp = out / f".{INDEX}.tmp"
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out / INDEX)
+    report.shards = len(shards)
+    report.bytes = sum(s.bytes for s in shards)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+class _ShardWriter:
+    """Appends samples to shard-N.tar, starting a new shard before one would pass `shard_size` bytes."""
+
+    def __init__(self, out: Path, shard_size: int) -> None:
+        self.out, self.shard_size = out, shard_size
+        self.shards: list[ShardInfo] = []
+        self._tar: tarfile.TarFile | None = None
+        self._samples = 0
+        self._tmp: Path | None = None
+
+    def add(self, key: str, image: bytes, label: int) -> None:
+        if self._tar is not None and self._samples and self._size_with(len(image)) > self.shard_size:
+            self._finish()
+        if self._tar is None:
+            self._tmp = self.out / f".{SHARD_NAME.format(len(self.shards))}.tmp"
+            self._tar = tarfile.open(self._tmp, "w", format=tarfile.USTAR_FORMAT)  # noqa: SIM115 - closed per shard
+            self._samples = 0
+        for name, data in ((f"{key}.cls", str(label).encode()), (f"{key}.jpg", image)):
+            member = tarfile.TarInfo(name)
+            member.size, member.mode, member.mtime = len(data), 0o644, 0
+            self._tar.addfile(member, io.BytesIO(data))
+        self._samples += 1
+
+    def _size_with(self, image_bytes: int) -> int:
+        """The shard's file size if this sample were its last: two headers, data padded to 512-byte blocks,
+        the end-of-archive blocks, all padded to tar's 10240-byte record."""
+        assert self._tar is not None and self._tar.fileobj is not None
+        blocks = self._tar.fileobj.tell() + 512 * (2 + 1 + math.ceil(image_bytes / 512) + 2)
+        return math.ceil(blocks / tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+
+    def _finish(self) -> None:
+        assert self._tar is not None and self._tmp is not None
+        self._tar.close()
+        name = SHARD_NAME.format(len(self.shards))
+        final = self.out / name
+        os.replace(self._tmp, final)
+        self.shards.append(ShardInfo(name, self._samples, final.stat().st_size, _sha256(final)))
+        self._tar = None
+
+    def close(self) -> list[ShardInfo]:
+        if self._tar is not None:
+            self._finish()
+        return self.shards
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()

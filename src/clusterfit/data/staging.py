@@ -1,0 +1,396 @@
+"""Inputs given as URLs (az://, s3://, file://, any fsspec URL), copied once per node into a local cache.
+
+`stage(url, cache_dir)` makes `cache_dir/<digest of url>/data` a verified copy of everything under `url`:
+
+- one process per node does the copying: the others block on a file lock, then find it done;
+- files are copied in parallel; each is written to `NAME.part`, checked (size from the listing; sha256
+  against the packed-dataset index for shards) and renamed; a journal records every finished file, so an
+  interrupted copy resumes where it stopped (a `.part` file continues from its length by a ranged read);
+- `manifest.json` (size and sha256 per file) is written last; a later job reuses the copy after checking
+  every file against it, and copies again what does not match.
+
+No torch here: the launcher checks URLs, and `clusterfit data stage` runs it by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clusterfit.spec.errors import SpecError
+from clusterfit.spec.model import JobSpec, StorageSpec
+
+MANIFEST = "manifest.json"
+JOURNAL = "journal.jsonl"
+VERIFIED = "verified-by"
+DATA_DIR = "data"
+SAS_TOKEN_ENV = "CLUSTERFIT_STORAGE_SAS_TOKEN"  # how the launcher hands storage.sas_token to workers
+_CHUNK = 4 << 20
+
+
+class StagingError(SpecError):
+    """Staging failed; one line naming the URL, what went wrong and what to do. Nothing staged is lost."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Only what the spec may say; anything else comes from the environment (AZURE_STORAGE_*, AWS_*)."""
+
+    account_name: str | None = None
+    endpoint: str | None = None
+    sas_token: str | None = None
+
+    def secrets(self) -> list[str]:
+        return [s for s in (self.sas_token, os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")) if s]
+
+
+@dataclass
+class StageReport:
+    url: str
+    local: Path
+    files: int = 0
+    bytes: int = 0
+    copied_files: int = 0
+    copied_bytes: int = 0
+    resumed_files: int = 0
+    reused: bool = False
+    seconds: float = 0.0
+    recopied: list[str] = field(default_factory=list)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.copied_bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+def is_url(path: str) -> bool:
+    return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
+
+
+def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
+    """(fsspec filesystem, path inside it). Filesystems are never shared between credentials."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0].lower()
+    options: dict[str, Any] = {"skip_instance_cache": True}
+    if protocol in ("az", "abfs", "abfss"):
+        if creds.endpoint and creds.sas_token:
+            options["connection_string"] = f"BlobEndpoint={creds.endpoint};SharedAccessSignature={creds.sas_token}"
+        else:
+            if creds.account_name:
+                options["account_name"] = creds.account_name
+            if creds.sas_token:
+                options["sas_token"] = creds.sas_token
+    elif protocol in ("s3", "s3a") and creds.endpoint:
+        options["client_kwargs"] = {"endpoint_url": creds.endpoint}
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        package = {"az": "adlfs", "abfs": "adlfs", "abfss": "adlfs", "s3": "s3fs", "s3a": "s3fs"}.get(protocol, "")
+        hint = f"pip install {package}" if package else "install the fsspec implementation for it"
+        raise StagingError(f"{url}: no filesystem for {protocol}:// ({exc}); {hint}") from None
+    except (ValueError, OSError) as exc:
+        raise StagingError(f"{url}: {_say(exc, creds)}") from None
+    return fs, path.rstrip("/")
+
+
+def cache_folder(url: str, cache_dir: str | Path) -> Path:
+    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", url.rstrip("/").split("://")[-1])[-48:].strip("_")
+    return Path(cache_dir).expanduser() / f"{name}-{digest}"
+
+
+def stage(
+    url: str,
+    cache_dir: str | Path,
+    creds: Credentials = Credentials(),
+    *,
+    workers: int = 8,
+    run_token: str | None = None,
+    on_file: Callable[[str], None] | None = None,
+) -> StageReport:
+    """Copy `url` into the node's cache (or reuse a verified copy); returns where the data is.
+
+    `run_token` names this job run: processes of the same run trust a copy another of them verified."""
+    from filelock import FileLock
+
+    started = time.perf_counter()
+    target = cache_folder(url, cache_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    report = StageReport(url=url, local=target / DATA_DIR)
+    with FileLock(str(target) + ".lock"):
+        if run_token and _read_text(target / VERIFIED) == run_token and (target / MANIFEST).is_file():
+            manifest = json.loads((target / MANIFEST).read_text())
+            report.files, report.bytes, report.reused = len(manifest["files"]), _total(manifest), True
+            return report
+        _stage_locked(url, target, creds, workers, report, on_file)
+        if run_token:
+            _write_atomically(target / VERIFIED, run_token)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _stage_locked(
+    url: str, target: Path, creds: Credentials, workers: int, report: StageReport, on_file: Callable[[str], None] | None
+) -> None:
+    data = target / DATA_DIR
+    old = json.loads((target / MANIFEST).read_text()) if (target / MANIFEST).is_file() else None
+    if old is not None:
+        bad = _verify_all(data, old["files"], workers)
+        if not bad:
+            report.files, report.bytes, report.reused = len(old["files"]), _total(old), True
+            return
+        # Some files changed or vanished since: copy those again (the rest stays).
+        report.recopied = sorted(bad)
+        (target / MANIFEST).unlink()
+        journal = {rel: entry for rel, entry in old["files"].items() if rel not in bad}
+        _rewrite_journal(target / JOURNAL, journal)
+    fs, root = open_filesystem(url, creds)
+    listing = _list(fs, root, url, creds)
+    journal = _read_journal(target / JOURNAL)
+    todo = []
+    for rel, size in sorted(listing.items()):
+        done = journal.get(rel)
+        if done and done["bytes"] == size and (data / rel).is_file() and (data / rel).stat().st_size == size:
+            report.resumed_files += 1
+            continue
+        todo.append((rel, size))
+    expected = _expected_sha256(fs, root, listing, data, creds)
+    lock = threading.Lock()
+
+    def copy(item: tuple[str, int]) -> None:
+        rel, size = item
+        digest, fresh = _copy_one(fs, f"{root}/{rel}", data / rel, size, url, creds)
+        want = expected.get(rel)
+        if want and digest != want:
+            (data / rel).with_name((data / rel).name + ".part").unlink(missing_ok=True)
+            raise StagingError(
+                f"{url}/{rel}: sha256 {digest[:12]}… differs from the index's {want[:12]}…; "
+                "the source changed or is corrupt; pack it again"
+            )
+        os.replace(_part(data / rel), data / rel)
+        with lock:
+            report.copied_files += 1
+            report.copied_bytes += fresh
+            with open(target / JOURNAL, "a") as f:
+                f.write(json.dumps({"file": rel, "bytes": size, "sha256": digest}) + "\n")
+        if on_file:
+            on_file(rel)
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for _ in pool.map(copy, todo):
+            pass
+    journal = _read_journal(target / JOURNAL)
+    files = {rel: journal[rel] for rel in sorted(listing)}
+    if any(rel not in journal for rel in listing):  # pragma: no cover - every copy either raised or journaled
+        raise StagingError(f"{url}: some files were not copied; run again to resume")
+    _write_atomically(target / MANIFEST, json.dumps({"url": _public(url), "files": files}, indent=1))
+    (target / JOURNAL).unlink(missing_ok=True)
+    report.files, report.bytes = len(files), sum(e["bytes"] for e in files.values())
+
+
+def _list(fs: Any, root: str, url: str, creds: Credentials) -> dict[str, int]:
+    try:
+        found = fs.find(root, detail=True)
+    except Exception as exc:  # noqa: BLE001 - every backend raises its own types; all become one line
+        raise StagingError(f"{url}: {_say(exc, creds)}") from None
+    listing = {}
+    for path, info in found.items():
+        if info.get("type") == "directory":
+            continue
+        rel = path[len(root) :].lstrip("/") if path.startswith(root) else path.rsplit("/", 1)[-1]
+        if not rel or rel.startswith("/") or ".." in rel.split("/"):
+            raise StagingError(f"{url}: object {path!r} would land outside the cache folder; refusing to stage it")
+        listing[rel] = int(info.get("size") or 0)
+    if not listing:
+        raise StagingError(f"{url}: no files there; check the URL (a folder of <class>/<image> or a packed dataset)")
+    return listing
+
+
+def _expected_sha256(fs: Any, root: str, listing: dict[str, int], data: Path, creds: Credentials) -> dict[str, str]:
+    """For a packed dataset, the index lists every shard's sha256: check each copy against it."""
+    if "index.json" not in listing:
+        return {}
+    try:
+        index = json.loads(fs.cat_file(f"{root}/index.json"))
+        return {s["name"]: s["sha256"] for s in index.get("shards", []) if isinstance(s, dict)}
+    except Exception:  # noqa: BLE001 - not a clusterfit index: sizes are checked all the same
+        return {}
+
+
+def _copy_one(fs: Any, remote: str, local: Path, size: int, url: str, creds: Credentials) -> tuple[str, int]:
+    """Copy into local.part, continuing a partial copy; returns (sha256 of the whole file, bytes fetched now)."""
+    local.parent.mkdir(parents=True, exist_ok=True)
+    part = _part(local)
+    have = part.stat().st_size if part.exists() else 0
+    if have > size:
+        part.unlink()
+        have = 0
+    digest = hashlib.sha256()
+    if have:
+        with open(part, "rb") as f:
+            for block in iter(lambda: f.read(_CHUNK), b""):
+                digest.update(block)
+    fetched = 0
+    try:
+        with fs.open(remote, "rb", block_size=_CHUNK) as src, open(part, "ab") as dst:
+            if have:
+                src.seek(have)
+            while True:
+                block = src.read(_CHUNK)
+                if not block:
+                    break
+                dst.write(block)
+                digest.update(block)
+                fetched += len(block)
+    except Exception as exc:  # noqa: BLE001 - connection errors of every backend; the .part file is kept
+        raise StagingError(
+            f"{url}: copying {remote.rsplit('/', 1)[-1]} stopped: {_say(exc, creds)}; run again to resume"
+        ) from None
+    if have + fetched != size:
+        raise StagingError(f"{url}: {remote} has {have + fetched} bytes, the listing said {size}; run again")
+    return digest.hexdigest(), fetched
+
+
+def _verify_all(data: Path, files: dict[str, dict[str, Any]], workers: int) -> set[str]:
+    def bad(item: tuple[str, dict[str, Any]]) -> str | None:
+        rel, entry = item
+        path = data / rel
+        if not path.is_file() or path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
+            return rel
+        return None
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        return {rel for rel in pool.map(bad, files.items()) if rel}
+
+
+def _say(exc: BaseException, creds: Credentials) -> str:
+    """An exception from any storage SDK as one short line, without secrets, with the fix when known."""
+    name = type(exc).__name__
+    text = " ".join(str(exc).split())
+    for secret in creds.secrets():
+        text = text.replace(secret, "***")
+    lowered = f"{name} {text}".lower()
+    if "authenticat" in lowered or "signature" in lowered or "authorizationfailure" in lowered:
+        return (
+            "access denied: the credentials were refused (authentication failed); check storage.sas_token or "
+            "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_KEY"
+        )
+    if "authorizationpermissionmismatch" in lowered or "403" in lowered or "permission" in lowered:
+        return "access denied: these credentials may not do this (a read-only SAS token?)"
+    if "connect" in lowered or "timeout" in lowered or "timed out" in lowered:
+        return f"cannot reach the storage service ({name})"
+    if isinstance(exc, FileNotFoundError) or "notfound" in lowered.replace(" ", "") or "does not exist" in lowered:
+        return "not found; check the container and path"
+    return f"{name}: {text[:200]}"
+
+
+def _public(url: str) -> str:
+    return url.split("?", 1)[0]
+
+
+def _part(path: Path) -> Path:
+    return path.with_name(path.name + ".part")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _total(manifest: dict[str, Any]) -> int:
+    return sum(int(e["bytes"]) for e in manifest["files"].values())
+
+
+def _read_journal(path: Path) -> dict[str, dict[str, Any]]:
+    entries: dict[str, dict[str, Any]] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a crash: that file is copied again
+            entries[entry["file"]] = {"bytes": entry["bytes"], "sha256": entry["sha256"]}
+    return entries
+
+
+def _rewrite_journal(path: Path, entries: dict[str, dict[str, Any]]) -> None:
+    _write_atomically(path, "".join(json.dumps({"file": k, **v}) + "\n" for k, v in entries.items()))
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def credentials(storage: StorageSpec) -> Credentials:
+    """The spec's storage section; a SAS token the launcher passed in the environment (never in job.yaml)."""
+    token = storage.sas_token.get_secret_value() if storage.sas_token else os.environ.get(SAS_TOKEN_ENV)
+    return Credentials(account_name=storage.account_name, endpoint=storage.endpoint, sas_token=token or None)
+
+
+def stage_inputs(spec: JobSpec, run_token: str, log: Callable[[str], None] = print) -> JobSpec:
+    """The spec with every URL in trainer.data replaced by its staged local copy (mode: download)."""
+    data = spec.trainer.data
+    creds = credentials(spec.storage)
+    local: dict[str, str] = {}
+    for name in ("train", "val"):
+        url = getattr(data, name)
+        if url is None or not is_url(url):
+            continue
+        report = stage(url, data.cache_dir, creds, workers=data.stage_workers, run_token=run_token)
+        log(describe(report))
+        local[name] = str(report.local)
+    if not local:
+        return spec
+    new_data = data.model_copy(update=local)
+    return spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"data": new_data})})
+
+
+def describe(report: StageReport) -> str:
+    if report.reused:
+        return f"staged {report.url}: reused the verified copy in {report.local} ({report.files} files)"
+    resumed = f", {report.resumed_files} already there from an interrupted copy" if report.resumed_files else ""
+    return (
+        f"staged {report.url} -> {report.local}: {report.copied_files} files, {report.copied_bytes / 1e6:.1f} MB in "
+        f"{report.seconds:.1f} s ({report.mb_per_s:.1f} MB/s, {report.copied_files / max(report.seconds, 1e-9):.0f} "
+        f"files/s){resumed}"
+    )
+
+
+def remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[list[str], int | None]:
+    """What the launcher can learn cheaply before staging: the classes (and the count, for packed data)."""
+    creds = credentials(storage)
+    fs, root = open_filesystem(url, creds)
+    try:
+        if fs.exists(f"{root}/index.json"):
+            index = json.loads(fs.cat_file(f"{root}/index.json"))
+            return list(index["classes"]), int(index["samples"])
+        entries = fs.ls(root, detail=True)
+    except StagingError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every backend raises its own types
+        raise StagingError(f"{field_name} = {url!r}: {_say(exc, creds)}") from None
+    classes = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
+    if not classes:
+        raise StagingError(f"{field_name} = {url!r}: has no class folders; expected {url}/<class>/<image>.jpg")
+    return classes, None

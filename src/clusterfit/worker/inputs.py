@@ -1,0 +1,43 @@
+"""Bad input files seen by every rank, merged: counted for the summary, and a stop when there are too many."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch.distributed as dist
+
+from clusterfit.data.quality import BadInputError, BadRead, InputTally, verdict
+from clusterfit.worker.dist import DistEnv
+
+
+class ReadSource(Protocol):
+    def take_reads(self) -> tuple[int, list[BadRead]]: ...
+
+
+class InputWatch:
+    """Holds the job's InputTally, identical on every rank after each `sync`."""
+
+    def __init__(self, tally: InputTally, samples_per_epoch: int, max_bad_fraction: float, env: DistEnv) -> None:
+        self.tally = tally
+        self.samples_per_epoch = samples_per_epoch
+        self.max_bad_fraction = max_bad_fraction
+        self.env = env
+
+    def sync(self, sources: Iterable[ReadSource | None]) -> None:
+        """Collective: every rank must call it at the same point. Raises BadInputError on every rank at once
+        when the skipped files are over the job's threshold."""
+        reads, bad = 0, []
+        for source in sources:
+            if source is not None:
+                source_reads, source_bad = source.take_reads()
+                reads, bad = reads + source_reads, bad + source_bad
+        gathered: list[tuple[int, list[BadRead]]] = [(reads, bad)]
+        if self.env.is_distributed:
+            gathered = [(0, [])] * self.env.world_size
+            dist.all_gather_object(gathered, (reads, bad))
+        for rank_reads, rank_bad in gathered:
+            self.tally.add(rank_reads, rank_bad)
+        problem = verdict(self.tally, self.samples_per_epoch, self.max_bad_fraction)
+        if problem:
+            raise BadInputError(problem)

@@ -1,0 +1,224 @@
+"""Staging inputs from object storage, against a real Azure Blob Storage emulator (Azurite)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
+from azurite import ACCOUNT, KEY, Azurite
+from conftest import cli_command, tiny_job, write_job
+
+from clusterfit.data.staging import JOURNAL, MANIFEST, Credentials, cache_folder, open_filesystem, stage
+
+CONTAINER = "data"
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory: pytest.TempPathFactory):
+    server = Azurite(tmp_path_factory.mktemp("azurite"))
+    server.start()
+    BlobServiceClient.from_connection_string(server.connection_string()).create_container(CONTAINER)
+    yield server
+    server.stop()
+
+
+def _upload(azurite: Azurite, folder: Path, prefix: str) -> dict[str, bytes]:
+    container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
+    uploaded = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        container.upload_blob(f"{prefix}/{rel}", path.read_bytes(), overwrite=True)
+        uploaded[rel] = path.read_bytes()
+    return uploaded
+
+
+def _env(azurite: Azurite, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AZURE_STORAGE_")}
+    return {**env, "AZURE_STORAGE_CONNECTION_STRING": azurite.connection_string(), "COLUMNS": "200", **extra}
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cli_command(*args), env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_stage_an_imagenet_tree_then_reuse_and_repair(azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path) -> None:
+    files = _upload(azurite, tiny_imagefolder / "train", "tiny/train")
+    url = f"az://{CONTAINER}/tiny/train"
+    result = _cli("data", "stage", url, str(tmp_path / "cache"), env=_env(azurite))
+    assert result.returncode == 0, result.stderr
+    assert f"staged {url} -> " in result.stdout and "48 files" in result.stdout and "MB/s" in result.stdout
+    local = cache_folder(url, tmp_path / "cache") / "data"
+    assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()} == files
+    manifest = json.loads((local.parent / MANIFEST).read_text())
+    assert set(manifest["files"]) == set(files) and all(len(e["sha256"]) == 64 for e in manifest["files"].values())
+
+    again = _cli("data", "stage", url, str(tmp_path / "cache"), env=_env(azurite))
+    assert "reused the verified copy" in again.stdout
+
+    # A cached file damaged since: found by the verification, copied again, nothing else moves.
+    (local / "class_1" / "0003.jpg").write_bytes(b"damaged")
+    report = _stage_in_process(azurite, url, tmp_path / "cache")
+    assert report.recopied == ["class_1/0003.jpg"] and report.copied_files == 1
+    assert (local / "class_1" / "0003.jpg").read_bytes() == files["class_1/0003.jpg"]
+
+
+def _stage_in_process(azurite: Azurite, url: str, cache: Path, **kw):
+    saved = os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
+    os.environ["AZURE_STORAGE_CONNECTION_STRING"] = azurite.connection_string()
+    try:
+        return stage(url, cache, Credentials(), **kw)
+    finally:
+        if saved is None:
+            os.environ.pop("AZURE_STORAGE_CONNECTION_STRING")
+        else:
+            os.environ["AZURE_STORAGE_CONNECTION_STRING"] = saved
+
+
+def test_interrupted_staging_resumes_after_the_service_restarts(azurite: Azurite, tmp_path: Path) -> None:
+    """Stop the emulator mid-transfer and lose the copying process with it; start both again: the copy goes
+    on from where it stopped and ends verified."""
+    source = tmp_path / "many"
+    for index in range(120):
+        (source / f"c{index % 3}").mkdir(parents=True, exist_ok=True)
+        (source / f"c{index % 3}" / f"{index:04d}.jpg").write_bytes(os.urandom(3000 + index))
+    files = _upload(azurite, source, "many")
+    url = f"az://{CONTAINER}/many"
+    target = cache_folder(url, tmp_path / "cache")
+    copier = subprocess.Popen(
+        cli_command("data", "stage", url, str(tmp_path / "cache"), "--workers", "1"),
+        env=_env(azurite),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not ((target / JOURNAL).exists() and len((target / JOURNAL).read_text().splitlines()) >= 10):
+        assert copier.poll() is None, copier.communicate()
+        time.sleep(0.01)
+    copier.send_signal(signal.SIGSTOP)  # frozen mid-transfer ...
+    azurite.stop()  # ... while the service goes away ...
+    copier.kill()  # ... and the node loses the copying process
+    copier.communicate()
+    journaled = len((target / JOURNAL).read_text().splitlines())
+    assert not (target / MANIFEST).exists()
+
+    azurite.start()
+    result = _cli("data", "stage", url, str(tmp_path / "cache"), env=_env(azurite))
+    assert result.returncode == 0, result.stderr
+    resumed = int(result.stdout.split(" already there")[0].rsplit(", ", 1)[-1])
+    assert resumed >= journaled >= 10
+    local = target / "data"
+    assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()} == files
+
+
+def test_part_file_continues_from_its_length(tmp_path: Path) -> None:
+    """A half-copied large file is continued by a ranged read, not fetched again (local file:// source)."""
+    source = tmp_path / "src"
+    source.mkdir()
+    blob = os.urandom(9 << 20)
+    (source / "big.bin").write_bytes(blob)
+    url = f"file://{source}"
+    target = cache_folder(url, tmp_path / "cache") / "data"
+    target.mkdir(parents=True)
+    (target / "big.bin.part").write_bytes(blob[: 5 << 20])
+    report = stage(url, tmp_path / "cache")
+    assert report.copied_bytes == (9 << 20) - (5 << 20)
+    assert (target / "big.bin").read_bytes() == blob and not (target / "big.bin.part").exists()
+
+
+def test_read_only_sas_token_reads_but_cannot_write(azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path) -> None:
+    _upload(azurite, tiny_imagefolder / "val", "tiny/val")
+    sas = generate_container_sas(
+        ACCOUNT,
+        CONTAINER,
+        account_key=KEY,
+        permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.now(timezone.utc) + timedelta(hours=1),
+    )
+    env = {**_env(azurite), "CLUSTERFIT_STORAGE_SAS_TOKEN": sas}
+    env.pop("AZURE_STORAGE_CONNECTION_STRING")
+    url = f"az://{CONTAINER}/tiny/val"
+    result = _cli("data", "stage", url, str(tmp_path / "cache"), "--endpoint", azurite.endpoint, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "15 files" in result.stdout
+
+    fs, _ = open_filesystem(url, Credentials(endpoint=azurite.endpoint, sas_token=sas))
+    with pytest.raises(Exception, match="AuthorizationPermissionMismatch|not authorized|403"):
+        fs.pipe_file(f"{CONTAINER}/outputs/model.safetensors", b"weights")
+    container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
+    assert not container.get_blob_client("outputs/model.safetensors").exists()
+
+
+def test_wrong_key_is_one_clear_line(azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path) -> None:
+    _upload(azurite, tiny_imagefolder / "val", "tiny/val")
+    wrong = KEY.replace("Eby8", "Xby8")
+    env = _env(azurite, AZURE_STORAGE_CONNECTION_STRING=azurite.connection_string(wrong))
+    url = f"az://{CONTAINER}/tiny/val"
+    result = _cli("data", "stage", url, str(tmp_path / "cache"), env=env)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"error: {url}: access denied: the credentials were refused (authentication failed); check "
+        "storage.sas_token or AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_KEY"
+    ]
+    assert wrong not in result.stderr + result.stdout
+
+    job = write_job(
+        tmp_path / "job.yaml",
+        tiny_job(
+            tmp_path / "out",
+            data={"train": url, "image_size": 32, "num_classes": None, "cache_dir": str(tmp_path / "cache")},
+        ),
+    )
+    launched = _cli("run", str(job), env=env)
+    assert launched.returncode == 2
+    assert launched.stderr.strip().splitlines() == [
+        f"error: trainer.data.train = '{url}': access denied: the credentials were refused (authentication failed); "
+        "check storage.sas_token or AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_KEY"
+    ]
+
+
+def test_job_trains_on_data_staged_with_a_sas_token_it_never_writes_down(
+    azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path
+) -> None:
+    _upload(azurite, tiny_imagefolder, "job")
+    sas = generate_container_sas(
+        ACCOUNT,
+        CONTAINER,
+        account_key=KEY,
+        permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.now(timezone.utc) + timedelta(hours=1),
+    )
+    spec = tiny_job(
+        tmp_path / "out",
+        steps_per_epoch=None,
+        batch_size=8,
+        data={
+            "train": f"az://{CONTAINER}/job/train",
+            "val": f"az://{CONTAINER}/job/val",
+            "image_size": 32,
+            "num_classes": None,
+            "loader_workers": 1,
+            "cache_dir": str(tmp_path / "cache"),
+        },
+    )
+    spec["storage"] = {"endpoint": azurite.endpoint, "sas_token": sas}
+    env = _env(azurite)
+    env.pop("AZURE_STORAGE_CONNECTION_STRING")
+    result = _cli("run", str(write_job(tmp_path / "job.yaml", spec)), env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["final"]["val_images"] == 15 and summary["steps"] == 48 // 16
+    logs = (tmp_path / "out" / "logs" / "rank-0.log").read_text() + (
+        tmp_path / "out" / "logs" / "rank-1.log"
+    ).read_text()
+    assert logs.count("reused the verified copy") + logs.count(" -> ") >= 2
+    signature = sas.split("sig=")[1].split("&")[0]
+    for path in (tmp_path / "out").rglob("*"):
+        if path.is_file():
+            assert signature.encode() not in path.read_bytes(), f"the SAS token leaked into {path}"
