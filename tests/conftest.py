@@ -66,6 +66,20 @@ def max_abs_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
 
 
+def one_image_per_class(root: Path, count: int, size: tuple[int, int] = (60, 40)) -> Path:
+    """`count` classes of one image each: a label then names its sample, so coverage can be checked."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for index in range(count):
+        folder = root / f"c{index:03d}"
+        folder.mkdir(parents=True)
+        pixels = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / "img.jpg", quality=85)
+    return root
+
+
 @pytest.fixture
 def tiny_imagefolder(tmp_path: Path) -> Path:
     from make_tiny_imagefolder import make_tiny_imagefolder

@@ -8,10 +8,9 @@ import json
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import run_cli, tiny_job, write_job
+from conftest import one_image_per_class, run_cli, tiny_job, write_job
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -20,17 +19,6 @@ from clusterfit.data.shards import INDEX, iter_samples, pack_folder, parse_size,
 from clusterfit.data.transforms import CenterCrop, TrainCrop
 from clusterfit.launch import preflight
 from clusterfit.spec import SpecError, validate_spec
-
-
-def _one_image_per_class(root: Path, count: int, size: tuple[int, int] = (60, 40)) -> Path:
-    """`count` classes of one image each: a label then names its sample, so coverage can be checked."""
-    rng = np.random.default_rng(0)
-    for index in range(count):
-        folder = root / f"c{index:03d}"
-        folder.mkdir(parents=True)
-        pixels = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(folder / "img.jpg", quality=85)
-    return root
 
 
 def _train_samples(packed: Path, rank: int, **kw: int) -> ShardTrainSamples:
@@ -47,14 +35,14 @@ def _epoch(dataset: ShardTrainSamples, epoch: int, start_step: int = 0, workers:
 @pytest.fixture(scope="module")
 def packed40(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("packed40")
-    src = _one_image_per_class(root / "src", 40)
+    src = one_image_per_class(root / "src", 40)
     report = pack_folder(str(src), str(root / "packed"), shard_size=9_000, max_side=320, workers=1)
     assert report.shards > 3, "several shards, so the shard order matters"
     return root / "packed"
 
 
 def test_pack_writes_webdataset_shards_and_an_index(tmp_path: Path) -> None:
-    src = _one_image_per_class(tmp_path / "src", 6, size=(900, 500))
+    src = one_image_per_class(tmp_path / "src", 6, size=(900, 500))
     (src / "c000" / "broken.jpg").write_bytes(b"\xff\xd8\xff broken")
     Image.new("CMYK", (50, 50), (0, 255, 0, 0)).save(src / "c001" / "cmyk.jpg")
     result = run_cli("data", "pack", str(src), str(tmp_path / "packed"), "--shard-size", "200KB", "--max-side", "320")
@@ -79,7 +67,7 @@ def test_pack_writes_webdataset_shards_and_an_index(tmp_path: Path) -> None:
 
 
 def test_pack_refuses_a_used_destination(tmp_path: Path) -> None:
-    src = _one_image_per_class(tmp_path / "src", 2)
+    src = one_image_per_class(tmp_path / "src", 2)
     (tmp_path / "dst").mkdir()
     (tmp_path / "dst" / "keep.txt").write_text("mine")
     result = run_cli("data", "pack", str(src), str(tmp_path / "dst"))

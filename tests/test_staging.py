@@ -11,11 +11,16 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+import torch
 from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 from azurite import ACCOUNT, KEY, Azurite
-from conftest import cli_command, tiny_job, write_job
+from conftest import cli_command, one_image_per_class, tiny_job, write_job
+from torch.utils.data import DataLoader
 
+from clusterfit.data.shardreader import ShardTrainSamples, as_is
+from clusterfit.data.shards import PackedIndex, pack_folder, read_index, read_remote_index
 from clusterfit.data.staging import JOURNAL, MANIFEST, Credentials, cache_folder, open_filesystem, stage
+from clusterfit.data.transforms import TrainCrop
 
 CONTAINER = "data"
 
@@ -222,3 +227,79 @@ def test_job_trains_on_data_staged_with_a_sas_token_it_never_writes_down(
     for path in (tmp_path / "out").rglob("*"):
         if path.is_file():
             assert signature.encode() not in path.read_bytes(), f"the SAS token leaked into {path}"
+
+
+def test_direct_mode_streams_every_sample_once_per_epoch(
+    azurite: Azurite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards read straight from the emulator (2 ranks x 2 DataLoader worker processes) give every sample
+    once per epoch, and exactly the batches the same shards give from a local folder."""
+    src = one_image_per_class(tmp_path / "src", 40)
+    pack_folder(str(src), str(tmp_path / "packed"), shard_size=9_000, workers=1)
+    _upload(azurite, tmp_path / "packed", "direct40")
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string())
+    remote = read_remote_index(f"az://{CONTAINER}/direct40", Credentials())
+    assert len(remote.shards) > 3
+    settings = {"seed": 3, "world_size": 2, "batch_size": 4, "steps_per_epoch": 5, "block_steps": 2}
+
+    def epoch(index: PackedIndex, rank: int, number: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        dataset = ShardTrainSamples(index, TrainCrop(16), rank=rank, **settings)
+        dataset.set_position(number, 0)
+        loader = DataLoader(dataset, batch_size=None, num_workers=2, collate_fn=as_is)
+        return [(images, labels) for images, labels, _, _ in loader]
+
+    local = read_index(tmp_path / "packed")
+    for number in (0, 1):
+        streamed = [epoch(remote, rank, number) for rank in (0, 1)]
+        labels = [label for batches in streamed for _, batch in batches for label in batch.tolist()]
+        assert sorted(labels) == list(range(40)), "2 ranks x 5 steps x 4 = 40 samples, each exactly once"
+        copied = [epoch(local, rank, number) for rank in (0, 1)]
+        for (images, labels), (want_images, want_labels) in zip(sum(streamed, []), sum(copied, []), strict=True):
+            assert torch.equal(labels, want_labels) and torch.equal(images, want_images)
+
+
+def test_two_workers_train_on_shards_streamed_from_storage(
+    azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path
+) -> None:
+    """`mode: direct` through the CLI: 2 ranks train 2 epochs and validate on shards read from the emulator;
+    nothing is copied to the node, and every sample is read once per epoch."""
+    for split in ("train", "val"):
+        result = _cli(
+            "data", "pack", str(tiny_imagefolder / split), str(tmp_path / split), "--shard-size", "20KB", env=_env(azurite)
+        )
+        assert result.returncode == 0, result.stderr
+        _upload(azurite, tmp_path / split, f"direct/{split}")
+    job = tiny_job(
+        tmp_path / "out",
+        epochs=2,
+        steps_per_epoch=None,
+        batch_size=8,
+        data={
+            "train": f"az://{CONTAINER}/direct/train",
+            "val": f"az://{CONTAINER}/direct/val",
+            "mode": "direct",
+            "cache_dir": str(tmp_path / "cache"),
+            "image_size": 32,
+            "num_classes": None,
+            "loader_workers": 2,
+            "shuffle_buffer": 16,
+        },
+    )
+    result = _cli("run", str(write_job(tmp_path / "job.yaml", job)), env=_env(azurite))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 2 * (48 // 16) and summary["final"]["val_images"] == 15
+    assert summary["inputs"]["reads"] == 2 * (48 + 15) and summary["inputs"]["skipped_files"] == 0
+    assert not (tmp_path / "cache").exists(), "mode direct copies nothing to the node"
+
+
+def test_direct_mode_refuses_a_folder_of_loose_files(azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path) -> None:
+    _upload(azurite, tiny_imagefolder / "train", "loose/train")
+    url = f"az://{CONTAINER}/loose/train"
+    job = tiny_job(tmp_path / "out", data={"train": url, "mode": "direct", "image_size": 32, "num_classes": None})
+    result = _cli("validate", str(write_job(tmp_path / "job.yaml", job)), env=_env(azurite))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: trainer.data.train = '{url}': mode direct streams packed shards only, and this is a folder of "
+        "loose files; use mode: download, or pack it first (clusterfit data pack)"
+    ]

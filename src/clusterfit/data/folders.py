@@ -57,13 +57,13 @@ def inspect_data(data: DataSpec, storage: StorageSpec | None = None) -> DataFact
     if data.is_synthetic:
         assert data.num_classes is not None
         return DataFacts([str(i) for i in range(data.num_classes)], data.synthetic_images, 0)
-    from clusterfit.data.staging import is_url, remote_summary
+    from clusterfit.data.staging import is_url
 
+    storage = storage or StorageSpec()
     if is_url(data.train):
-        classes, count = remote_summary(data.train, storage or StorageSpec(), "trainer.data.train")
-        if data.val is not None and is_url(data.val):
-            remote_summary(data.val, storage or StorageSpec(), "trainer.data.val")
-        return DataFacts(classes, count, 0)
+        classes, count = _remote(data, "train", storage)
+        val_images = _remote(data, "val", storage)[1] if data.val is not None and is_url(data.val) else 0
+        return DataFacts(classes, count, val_images or 0)
     train = inspect_folder(data.train, "trainer.data.train")
     if data.num_classes is not None and data.num_classes != len(train.classes):
         raise SpecError(
@@ -72,7 +72,7 @@ def inspect_data(data: DataSpec, storage: StorageSpec | None = None) -> DataFact
         )
     val_images = 0
     if data.val is not None and is_url(data.val):
-        remote_summary(data.val, storage or StorageSpec(), "trainer.data.val")
+        val_images = _remote(data, "val", storage)[1] or 0
     elif data.val is not None:
         val = inspect_folder(data.val, "trainer.data.val")
         unknown = sorted(set(val.classes) - set(train.classes))
@@ -82,6 +82,20 @@ def inspect_data(data: DataSpec, storage: StorageSpec | None = None) -> DataFact
             )
         val_images = val.image_count
     return DataFacts(train.classes, train.image_count, val_images)
+
+
+def _remote(data: DataSpec, name: str, storage: StorageSpec) -> tuple[list[str], int | None]:
+    """(classes, samples or None for loose files) of trainer.data.<name> at a URL, from one listing."""
+    from clusterfit.data.staging import remote_summary
+
+    url = getattr(data, name)
+    classes, count = remote_summary(url, storage, f"trainer.data.{name}")
+    if data.mode == "direct" and count is None:
+        raise SpecError(
+            f"trainer.data.{name} = {url!r}: mode direct streams packed shards only, and this is a folder of "
+            "loose files; use mode: download, or pack it first (clusterfit data pack)"
+        )
+    return classes, count
 
 
 def steps_per_epoch(trainer: TrainerSpec, facts: DataFacts, world_size: int) -> int:

@@ -26,9 +26,10 @@ from clusterfit.data.imagefolder import (
 )
 from clusterfit.data.quality import BadRead
 from clusterfit.data.shardreader import ShardEvalSamples, ShardTrainSamples, as_is
-from clusterfit.data.shards import is_packed, read_index
+from clusterfit.data.shards import PackedIndex, is_packed, read_index, read_remote_index
+from clusterfit.data.staging import credentials, is_url
 from clusterfit.data.synthetic import SyntheticData
-from clusterfit.spec.model import DataSpec, TrainerSpec
+from clusterfit.spec.model import DataSpec, StorageSpec, TrainerSpec
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -51,8 +52,22 @@ def loader_workers(data: DataSpec, local_world_size: int) -> int:
     return max(1, min(8, cores // max(1, local_world_size)))
 
 
+def packed_index(location: str, storage: StorageSpec) -> PackedIndex | None:
+    """The index of a packed dataset (local, or at a URL to stream from), or None for a folder of files."""
+    if is_url(location):  # only mode: direct leaves URLs in the spec the trainer gets
+        return read_remote_index(location, credentials(storage))
+    return read_index(location) if is_packed(location) else None
+
+
 def build_train_data(
-    trainer: TrainerSpec, facts: DataFacts, *, rank: int, world_size: int, local_world_size: int, pin_memory: bool
+    trainer: TrainerSpec,
+    facts: DataFacts,
+    *,
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    pin_memory: bool,
+    storage: StorageSpec = StorageSpec(),
 ) -> TrainData:
     steps = steps_per_epoch(trainer, facts, world_size)
     data = trainer.data
@@ -67,9 +82,10 @@ def build_train_data(
             seed=trainer.seed,
         )
     workers = loader_workers(data, local_world_size)
-    if is_packed(data.train):
+    index = packed_index(data.train, storage)
+    if index is not None:
         shards = ShardTrainSamples(
-            read_index(data.train),
+            index,
             train_transform(data.image_size),
             seed=trainer.seed,
             rank=rank,
@@ -100,15 +116,23 @@ def build_train_data(
 
 
 def build_val_loader(
-    trainer: TrainerSpec, facts: DataFacts, *, rank: int, world_size: int, local_world_size: int, pin_memory: bool
+    trainer: TrainerSpec,
+    facts: DataFacts,
+    *,
+    rank: int,
+    world_size: int,
+    local_world_size: int,
+    pin_memory: bool,
+    storage: StorageSpec = StorageSpec(),
 ) -> CountedBatches | None:
     """Each rank scores its own unpadded share; unreadable files are dropped (and counted), never replaced."""
     data = trainer.data
     if data.val is None:
         return None
-    if is_packed(data.val):
+    index = packed_index(data.val, storage)
+    if index is not None:
         shards = ShardEvalSamples(
-            read_index(data.val),
+            index,
             val_transform(data.image_size),
             rank=rank,
             world_size=world_size,

@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from clusterfit.data.decode import BadImage
 from clusterfit.data.quality import BadRead
-from clusterfit.data.shards import PackedIndex, ShardInfo, iter_samples
+from clusterfit.data.shards import PackedIndex, ShardInfo
 
 Batch = tuple[torch.Tensor | None, torch.Tensor | None, int, list[BadRead]]
 Transform = Callable[[bytes, torch.Generator | None], torch.Tensor]
@@ -127,7 +127,7 @@ class ShardTrainSamples(IterableDataset):
         samples = [
             (f"{seg.shard.name}:{key}.jpg", data, label)
             for seg in locate(order, start, start + len(block) * self.batch_size)
-            for key, data, label in iter_samples(self.index.shard_path(seg.shard), seg.skip, seg.count)
+            for key, data, label in self.index.iter_samples(seg.shard, seg.skip, seg.count)
         ]
         random.Random(f"clusterfit-buffer:{self.seed}:{self.epoch}:{self.rank}:{block.start}").shuffle(samples)
         return samples
@@ -169,7 +169,7 @@ class ShardEvalSamples(IterableDataset):
             hi = min(lo + self.batch_size, self.stop)
             images, labels, bad = [], [], []
             for seg in locate(self.index.shards, lo, hi):
-                for key, data, label in iter_samples(self.index.shard_path(seg.shard), seg.skip, seg.count):
+                for key, data, label in self.index.iter_samples(seg.shard, seg.skip, seg.count):
                     try:
                         images.append(self.transform(data, None))
                         labels.append(label)

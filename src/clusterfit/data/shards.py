@@ -5,6 +5,10 @@ A packed dataset is a folder holding `index.json` and `shard-NNNNNN.tar` files. 
 WebDataset's naming (members `KEY.jpg` + `KEY.cls`, the class index as text, consecutive per sample), so
 webdataset and other tar-shard readers can read them too. Samples are shuffled once when packing, so every
 shard mixes all classes; the trainer shuffles the shard order and a buffer of samples every epoch.
+
+The index also lists, per shard, the byte offset of every `SEEK_EVERY`-th sample: a reader that starts in the
+middle of a shard seeks close to its first sample instead of reading every header before it, which matters when
+shards are streamed from object storage (`mode: direct`) by ranged reads.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import re
 import tarfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from PIL import Image
 
@@ -36,6 +41,8 @@ INDEX_FORMAT = "clusterfit-shards/1"
 SHARD_NAME = "shard-{:06d}.tar"
 _KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 _JPEG_QUALITY = 90
+SEEK_EVERY = 64  # samples between recorded seek points
+_REMOTE_BLOCK = 4 << 20  # bytes fetched per ranged read when streaming a shard
 
 
 class ShardError(ValueError):
@@ -48,18 +55,75 @@ class ShardInfo:
     samples: int
     bytes: int
     sha256: str
+    seek: tuple[int, ...] = ()  # byte offset of samples 0, SEEK_EVERY, 2 * SEEK_EVERY, ... (older packs: none)
+
+
+class LocalShards:
+    """Shards in a local folder."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def open(self, name: str) -> BinaryIO:
+        return open(self.root / name, "rb")  # noqa: SIM115 - the caller closes it
+
+    def __str__(self) -> str:
+        return str(self.root)
+
+
+class RemoteShards:
+    """Shards at an fsspec URL, streamed by ranged reads (`mode: direct`). Picklable for DataLoader workers:
+    each process opens its own filesystem (a client made before a fork must not be used after it)."""
+
+    def __init__(self, url: str, creds: Any) -> None:
+        self.url, self.creds = url.rstrip("/"), creds
+        self._fs: tuple[int, Any, str] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_fs": None}
+
+    def filesystem(self) -> tuple[Any, str]:
+        from clusterfit.data.staging import open_filesystem
+
+        if self._fs is None or self._fs[0] != os.getpid():
+            fs, root = open_filesystem(self.url, self.creds)
+            self._fs = (os.getpid(), fs, root)
+        return self._fs[1], self._fs[2]
+
+    def open(self, name: str) -> BinaryIO:
+        fs, root = self.filesystem()
+        # NOTE: readahead: a shard is read front to back, so each ranged read fetches the next block too.
+        return fs.open(f"{root}/{name}", "rb", block_size=_REMOTE_BLOCK, cache_type="readahead")
+
+    def read_text(self, name: str) -> str:
+        fs, root = self.filesystem()
+        return fs.cat_file(f"{root}/{name}").decode()
+
+    def __str__(self) -> str:
+        return self.url
 
 
 @dataclass(frozen=True)
 class PackedIndex:
-    root: Path
+    source: LocalShards | RemoteShards
     classes: list[str]
     samples: int
     shards: list[ShardInfo]
+    seek_every: int = 0
     raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
+
+    @property
+    def root(self) -> Path:
+        assert isinstance(self.source, LocalShards), "a streamed dataset has no local folder"
+        return self.source.root
 
     def shard_path(self, shard: ShardInfo) -> Path:
         return self.root / shard.name
+
+    def iter_samples(self, shard: ShardInfo, skip: int = 0, limit: int | None = None) -> Iterator[tuple[str, bytes, int]]:
+        """(key, image bytes, class index) of samples skip .. skip+limit of `shard`, wherever it is stored."""
+        with self.source.open(shard.name) as f:
+            yield from iter_samples(f, skip, limit, seek=shard.seek, seek_every=self.seek_every, name=shard.name)
 
 
 def is_packed(root: str | Path) -> bool:
@@ -69,14 +133,39 @@ def is_packed(root: str | Path) -> bool:
 def read_index(root: str | Path) -> PackedIndex:
     path = Path(root) / INDEX
     try:
-        raw = json.loads(path.read_text())
-        shards = [ShardInfo(s["name"], int(s["samples"]), int(s["bytes"]), s["sha256"]) for s in raw["shards"]]
-        index = PackedIndex(Path(root), list(raw["classes"]), int(raw["samples"]), shards, raw)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        text = path.read_text()
+    except OSError as exc:
         raise ShardError(f"{path}: not a packed-dataset index ({exc}); pack the folder again") from None
+    return parse_index(text, LocalShards(root), str(path))
+
+
+def read_remote_index(url: str, creds: Any) -> PackedIndex:
+    """The index of a packed dataset at a URL; its shards are streamed when read (`mode: direct`)."""
+    source = RemoteShards(url, creds)
+    try:
+        text = source.read_text(INDEX)
+    except Exception as exc:  # noqa: BLE001 - every storage backend raises its own types
+        from clusterfit.data.staging import _say
+
+        raise ShardError(f"{url}/{INDEX}: {_say(exc, creds)}") from None
+    return parse_index(text, source, f"{url}/{INDEX}")
+
+
+def parse_index(text: str, source: LocalShards | RemoteShards, where: str) -> PackedIndex:
+    try:
+        raw = json.loads(text)
+        shards = [
+            ShardInfo(s["name"], int(s["samples"]), int(s["bytes"]), s["sha256"], tuple(map(int, s.get("seek", ()))))
+            for s in raw["shards"]
+        ]
+        index = PackedIndex(
+            source, list(raw["classes"]), int(raw["samples"]), shards, int(raw.get("seek_every", 0)), raw
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ShardError(f"{where}: not a packed-dataset index ({exc}); pack the folder again") from None
     for shard in shards:
         if "/" in shard.name or shard.name.startswith(".") or not shard.name.endswith(".tar"):
-            raise ShardError(f"{path}: shard name {shard.name!r} is not a plain NAME.tar in the dataset folder")
+            raise ShardError(f"{where}: shard name {shard.name!r} is not a plain NAME.tar in the dataset folder")
     return index
 
 
@@ -93,28 +182,48 @@ def member_key(name: str, shard: str) -> tuple[str, str]:
     return key, ext
 
 
-def iter_samples(path: Path, skip: int = 0, limit: int | None = None) -> Iterator[tuple[str, bytes, int]]:
-    """(key, image bytes, class index) for samples skip .. skip+limit of one shard, in shard order.
+def iter_samples(
+    source: Path | BinaryIO,
+    skip: int = 0,
+    limit: int | None = None,
+    *,
+    seek: Sequence[int] = (),
+    seek_every: int = 0,
+    name: str | None = None,
+) -> Iterator[tuple[str, bytes, int]]:
+    """(key, image bytes, class index) for samples skip .. skip+limit of one shard (a path or an open file),
+    in shard order.
 
-    Skipped samples cost only header reads: the data of their members is seeked over."""
+    Reading starts at the last seek point before `skip`; the samples between cost only header reads."""
+    name = name or (source.name if isinstance(source, Path) else "shard")
+    point = min(skip // seek_every, len(seek) - 1) if seek and seek_every else 0
+    skip -= point * seek_every
     end = math.inf if limit is None else skip + limit
-    with tarfile.open(path, "r:") as tar:
-        position, current, parts = -1, None, {}
-        for member in tar:
-            if not member.isfile():
-                raise ShardError(f"{path.name}: member {member.name!r} is not a regular file; refusing this shard")
-            key, ext = member_key(member.name, path.name)
-            if key != current:
-                if current is not None:
-                    position += 1
-                    if skip <= position < end:
-                        yield _sample(tar, path.name, current, parts)
-                    if position + 1 >= end:
-                        return
-                current, parts = key, {}
-            parts[ext] = member
-        if current is not None and skip <= position + 1 < end:
-            yield _sample(tar, path.name, current, parts)
+    with ExitStack() as stack:
+        f = stack.enter_context(open(source, "rb")) if isinstance(source, Path) else source
+        f.seek(seek[point] if point else 0)
+        # NOTE: a TarFile opened on a file positioned at a member header reads on from there.
+        tar = stack.enter_context(tarfile.open(fileobj=f, mode="r:"))
+        yield from _members(tar, name, skip, end)
+
+
+def _members(tar: tarfile.TarFile, name: str, skip: int, end: float) -> Iterator[tuple[str, bytes, int]]:
+    position, current, parts = -1, None, {}
+    for member in tar:
+        if not member.isfile():
+            raise ShardError(f"{name}: member {member.name!r} is not a regular file; refusing this shard")
+        key, ext = member_key(member.name, name)
+        if key != current:
+            if current is not None:
+                position += 1
+                if skip <= position < end:
+                    yield _sample(tar, name, current, parts)
+                if position + 1 >= end:
+                    return
+            current, parts = key, {}
+        parts[ext] = member
+    if current is not None and skip <= position + 1 < end:
+        yield _sample(tar, name, current, parts)
 
 
 def _sample(tar: tarfile.TarFile, shard: str, key: str, parts: dict[str, tarfile.TarInfo]) -> tuple[str, bytes, int]:
@@ -253,6 +362,7 @@ def pack_folder(
         "samples": report.samples,
         "class_counts": {cls: counts[cls] for cls in info.classes},
         "max_side": max_side,
+        "seek_every": SEEK_EVERY,
         "source": str(Path(src).resolve()),
         "shards": [shard.__dict__ for shard in shards],
         "skipped": [{"file": f, "reason": r} for f, r in report.skipped],
@@ -274,6 +384,7 @@ class _ShardWriter:
         self.shards: list[ShardInfo] = []
         self._tar: tarfile.TarFile | None = None
         self._samples = 0
+        self._seek: list[int] = []
         self._tmp: Path | None = None
 
     def add(self, key: str, image: bytes, label: int) -> None:
@@ -282,7 +393,10 @@ class _ShardWriter:
         if self._tar is None:
             self._tmp = self.out / f".{SHARD_NAME.format(len(self.shards))}.tmp"
             self._tar = tarfile.open(self._tmp, "w", format=tarfile.USTAR_FORMAT)  # noqa: SIM115 - closed per shard
-            self._samples = 0
+            self._samples, self._seek = 0, []
+        if self._samples % SEEK_EVERY == 0:
+            assert self._tar.fileobj is not None
+            self._seek.append(self._tar.fileobj.tell())
         for name, data in ((f"{key}.cls", str(label).encode()), (f"{key}.jpg", image)):
             member = tarfile.TarInfo(name)
             member.size, member.mode, member.mtime = len(data), 0o644, 0
@@ -302,7 +416,7 @@ class _ShardWriter:
         name = SHARD_NAME.format(len(self.shards))
         final = self.out / name
         os.replace(self._tmp, final)
-        self.shards.append(ShardInfo(name, self._samples, final.stat().st_size, _sha256(final)))
+        self.shards.append(ShardInfo(name, self._samples, final.stat().st_size, _sha256(final), tuple(self._seek)))
         self._tar = None
 
     def close(self) -> list[ShardInfo]:

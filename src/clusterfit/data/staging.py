@@ -349,8 +349,11 @@ def credentials(storage: StorageSpec) -> Credentials:
 
 
 def stage_inputs(spec: JobSpec, run_token: str, log: Callable[[str], None] = print) -> JobSpec:
-    """The spec with every URL in trainer.data replaced by its staged local copy (mode: download)."""
+    """The spec with every URL in trainer.data replaced by its staged local copy (mode: download); with
+    mode: direct the URLs stay, and the shards are streamed while training."""
     data = spec.trainer.data
+    if data.mode == "direct":
+        return spec
     creds = credentials(spec.storage)
     local: dict[str, str] = {}
     for name in ("train", "val"):
@@ -382,10 +385,18 @@ def remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[lis
     creds = credentials(storage)
     fs, root = open_filesystem(url, creds)
     try:
-        if fs.exists(f"{root}/index.json"):
-            index = json.loads(fs.cat_file(f"{root}/index.json"))
-            return list(index["classes"]), int(index["samples"])
         entries = fs.ls(root, detail=True)
+        sizes = {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries if e.get("type") == "file"}
+        if "index.json" in sizes:
+            index = json.loads(fs.cat_file(f"{root}/index.json"))
+            for shard in index["shards"]:
+                if sizes.get(shard["name"]) != shard["bytes"]:
+                    found = "is missing" if shard["name"] not in sizes else f"has {sizes[shard['name']]} bytes"
+                    raise StagingError(
+                        f"{field_name} = {url!r}: shard {shard['name']} {found}, the index says {shard['bytes']} "
+                        "bytes; upload the packed dataset again"
+                    )
+            return list(index["classes"]), int(index["samples"])
     except StagingError:
         raise
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types

@@ -18,7 +18,10 @@ class _Strict(BaseModel):
 class DataSpec(_Strict):
     train: str = SYNTHETIC  # "synthetic", a folder, a packed dataset, or a URL (az://, s3://, file://) of either
     val: str | None = None
-    mode: Literal["download"] = Field("download", description="URLs are copied once per node into cache_dir")
+    mode: Literal["download", "direct"] = Field(
+        "download",
+        description="URLs: download = copied once per node into cache_dir; direct = packed shards streamed, no copy",
+    )
     cache_dir: str = Field("~/.cache/clusterfit/data", description="node-local folder for staged URLs")
     stage_workers: int = Field(8, ge=1, le=64, description="parallel transfers when staging")
     image_size: int = Field(224, ge=16, le=1024)

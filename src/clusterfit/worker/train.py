@@ -103,7 +103,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
         self.precision: Precision = resolve_precision(self.cfg.precision, self.device)
-        self.facts = inspect_data(self.cfg.data)
+        self.facts = inspect_data(self.cfg.data, spec.storage)
 
         self.model_factory = partial(build_model, self.cfg.model, len(self.facts.classes), self.cfg.norm_layer)
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
@@ -119,6 +119,7 @@ class Trainer:
             "world_size": self.strategy.data_world,
             "local_world_size": env.local_world_size,
             "pin_memory": self.device.type == "cuda",
+            "storage": spec.storage,
         }
         self.train_data = build_train_data(self.cfg, self.facts, **loader_args)
         self.val_loader = build_val_loader(self.cfg, self.facts, **loader_args)
