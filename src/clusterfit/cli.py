@@ -159,6 +159,29 @@ def data_stage(
     console.print(describe(report), markup=False, soft_wrap=True)
 
 
+bench_app = typer.Typer(help="Measure clusterfit's parts on this machine.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("data")
+def bench_data(
+    images: Annotated[int, typer.Option(min=1, help="Photos to generate and read once per pipeline.")] = 400,
+    batch_size: Annotated[int, typer.Option(min=1, help="Images per batch.")] = 32,
+    image_size: Annotated[int, typer.Option(min=16, help="RandomResizedCrop output side.")] = 224,
+    max_side: Annotated[int, typer.Option(min=16, help="--max-side of the packed dataset.")] = 320,
+) -> None:
+    """Images/s per CPU core of decode + RandomResizedCrop + flip on real photos: torchvision's ImageFolder +
+    PIL transforms vs clusterfit's folder reader vs clusterfit's shards, side by side (needs clusterfit[bench])."""
+    from clusterfit.bench.data import DataBenchConfig, run_data_bench
+
+    try:
+        config = DataBenchConfig(images=images, batch_size=batch_size, image_size=image_size, max_side=max_side)
+        report = run_data_bench(config)
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
+    console.print(report.markdown(), markup=False, soft_wrap=True)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
