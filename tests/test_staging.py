@@ -264,9 +264,8 @@ def test_two_workers_train_on_shards_streamed_from_storage(
     """`mode: direct` through the CLI: 2 ranks train 2 epochs and validate on shards read from the emulator;
     nothing is copied to the node, and every sample is read once per epoch."""
     for split in ("train", "val"):
-        result = _cli(
-            "data", "pack", str(tiny_imagefolder / split), str(tmp_path / split), "--shard-size", "20KB", env=_env(azurite)
-        )
+        pack = ("data", "pack", str(tiny_imagefolder / split), str(tmp_path / split), "--shard-size", "20KB")
+        result = _cli(*pack, env=_env(azurite))
         assert result.returncode == 0, result.stderr
         _upload(azurite, tmp_path / split, f"direct/{split}")
     job = tiny_job(

@@ -120,7 +120,9 @@ class PackedIndex:
     def shard_path(self, shard: ShardInfo) -> Path:
         return self.root / shard.name
 
-    def iter_samples(self, shard: ShardInfo, skip: int = 0, limit: int | None = None) -> Iterator[tuple[str, bytes, int]]:
+    def iter_samples(
+        self, shard: ShardInfo, skip: int = 0, limit: int | None = None
+    ) -> Iterator[tuple[str, bytes, int]]:
         """(key, image bytes, class index) of samples skip .. skip+limit of `shard`, wherever it is stored."""
         with self.source.open(shard.name) as f:
             yield from iter_samples(f, skip, limit, seek=shard.seek, seek_every=self.seek_every, name=shard.name)
