@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from azurite import Azurite  # noqa: E402 - the tests' helper: one way to start the emulator
 from azure.storage.blob import BlobServiceClient  # noqa: E402
+from azurite import Azurite  # noqa: E402 - the tests' helper: one way to start the emulator
 
 from clusterfit.bench.data import machine_description  # noqa: E402
 from clusterfit.data.staging import Credentials, StageReport, stage  # noqa: E402

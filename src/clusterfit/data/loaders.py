@@ -31,6 +31,7 @@ from clusterfit.data.staging import credentials, is_url
 from clusterfit.data.synthetic import SyntheticData
 from clusterfit.spec.model import DataSpec, StorageSpec, TrainerSpec
 
+NO_CREDENTIALS = StorageSpec()  # frozen: safe to share as a default
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -67,7 +68,7 @@ def build_train_data(
     world_size: int,
     local_world_size: int,
     pin_memory: bool,
-    storage: StorageSpec = StorageSpec(),
+    storage: StorageSpec = NO_CREDENTIALS,
 ) -> TrainData:
     steps = steps_per_epoch(trainer, facts, world_size)
     data = trainer.data
@@ -123,7 +124,7 @@ def build_val_loader(
     world_size: int,
     local_world_size: int,
     pin_memory: bool,
-    storage: StorageSpec = StorageSpec(),
+    storage: StorageSpec = NO_CREDENTIALS,
 ) -> CountedBatches | None:
     """Each rank scores its own unpadded share; unreadable files are dropped (and counted), never replaced."""
     data = trainer.data

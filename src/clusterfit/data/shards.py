@@ -24,8 +24,8 @@ import tarfile
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
