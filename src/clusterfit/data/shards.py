@@ -13,7 +13,6 @@ shards are streamed from object storage (`mode: direct`) by ranged reads.
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import math
@@ -35,6 +34,7 @@ from PIL import Image
 from clusterfit.data.decode import BadImage, decode_rgb, open_image
 from clusterfit.data.folders import IMG_EXTENSIONS, inspect_folder
 from clusterfit.spec.errors import SpecError
+from clusterfit.storage.checksums import sha256_of
 
 INDEX = "index.json"
 INDEX_FORMAT = "clusterfit-shards/1"
@@ -418,18 +418,10 @@ class _ShardWriter:
         name = SHARD_NAME.format(len(self.shards))
         final = self.out / name
         os.replace(self._tmp, final)
-        self.shards.append(ShardInfo(name, self._samples, final.stat().st_size, _sha256(final), tuple(self._seek)))
+        self.shards.append(ShardInfo(name, self._samples, final.stat().st_size, sha256_of(final), tuple(self._seek)))
         self._tar = None
 
     def close(self) -> list[ShardInfo]:
         if self._tar is not None:
             self._finish()
         return self.shards
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

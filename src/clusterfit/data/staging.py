@@ -28,6 +28,7 @@ from typing import Any
 
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec, StorageSpec
+from clusterfit.storage.checksums import sha256_of
 
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
@@ -264,7 +265,7 @@ def _verify_all(data: Path, files: dict[str, dict[str, Any]], workers: int) -> s
     def bad(item: tuple[str, dict[str, Any]]) -> str | None:
         rel, entry = item
         path = data / rel
-        if not path.is_file() or path.stat().st_size != entry["bytes"] or _sha256(path) != entry["sha256"]:
+        if not path.is_file() or path.stat().st_size != entry["bytes"] or sha256_of(path) != entry["sha256"]:
             return rel
         return None
 
@@ -299,14 +300,6 @@ def _public(url: str) -> str:
 
 def _part(path: Path) -> Path:
     return path.with_name(path.name + ".part")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _total(manifest: dict[str, Any]) -> int:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
+
+from clusterfit.storage.checksums import sha256_of
 
 CHECKPOINT_DIR = "checkpoints"  # under outputs.dir
 MANIFEST = "manifest.json"
@@ -48,11 +49,3 @@ def verify(path: Path) -> str | None:
         if sha256_of(file) != expected["sha256"]:
             return f"{name} checksum mismatch"
     return None
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -1,0 +1,1 @@
+"""Storage helpers shared by checkpoints, shards and staging (no torch here)."""
