@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, run_cli
 
 
@@ -35,3 +37,55 @@ def test_staging_benchmark_script_against_azurite() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "| 3 files of 4 KB | 3 |" in result.stdout and "| 1 file of 0.0 MB | 1 |" in result.stdout
+
+
+def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) -> None:
+    result = run_cli(
+        "bench", "train", "--models", "resnet_tiny", "--workers", "1", "--image-size", "32", "--batch", "2",
+        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "train.json").read_text())
+    assert set(report) == {"config", "machine", "precision", "cells", "ratios"}
+    assert {"cpu", "cores", "torch"} <= set(report["machine"]) and report["precision"] == "fp32"
+    cells = {(c["system"], c["workers"]): c for c in report["cells"]}
+    assert set(cells) == {("hand-written DDP", 1), ("clusterfit", 1)}
+    for cell in cells.values():
+        assert len(cell["step_images_per_s"]) == 3 and cell["images_per_s"] > 0
+        assert cell["scaling_efficiency"] == 1.0 and cell["threads_per_rank"] >= 1
+    assert [(r["model"], r["workers"]) for r in report["ratios"]] == [("resnet_tiny", 1)]
+    assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| resnet_tiny | 1 |" in result.stdout and "clusterfit ÷ hand-written" in result.stdout
+
+
+def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
+    from clusterfit.bench.train import Cell, TrainBenchConfig, TrainBenchReport, plot
+
+    config = TrainBenchConfig(models=("resnet18",), workers=(1, 2), steps=3, warmup=1)
+    report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "fp32")
+    for system, one, two in (("hand-written DDP", 10.0, 19.0), ("clusterfit", 11.0, 16.5)):
+        report.cells += [Cell(system, "resnet18", 1, 2, [one] * 3, one), Cell(system, "resnet18", 2, 1, [two] * 3, two)]
+    report.fill_scaling()
+    assert report.cell("hand-written DDP", "resnet18", 2).scaling_efficiency == 0.95
+    assert report.cell("clusterfit", "resnet18", 2).scaling_efficiency == 0.75
+    assert report.ratio("resnet18", 1) == 1.1 and report.ratio("resnet18", 2) == 16.5 / 19.0
+    assert "| resnet18 | 2 | 1 | 19.0 | 16.5 | 0.87x | 0.95 | 0.75 |" in report.markdown()
+    plot(report, tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--models", "resnet18,vgg16"], "error: --models resnet18,vgg16: unknown model; choose from resnet18,"),
+        (["--workers", "0,2"], "error: --workers 0,2: worker counts must be 1 or more"),
+        (["--workers", "one"], "error: --workers one: expected a comma-separated list of int"),
+        (["--steps", "5", "--warmup", "5"], "error: --steps 5: must exceed --warmup 5 to leave steps to measure"),
+    ],
+)
+def test_bench_train_refuses_bad_flags_in_one_line(tmp_path, flags: list[str], message: str) -> None:
+    result = run_cli("bench", "train", *flags, "--out", str(tmp_path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), result.stderr
+    assert not (tmp_path / "train.json").exists()

@@ -182,6 +182,38 @@ def bench_data(
     console.print(report.markdown(), markup=False, soft_wrap=True)
 
 
+@bench_app.command("train")
+def bench_train(
+    models: Annotated[str, typer.Option(help="Comma-separated model names.")] = "resnet18,resnet50",
+    workers: Annotated[str, typer.Option(help="Comma-separated worker (rank) counts on this machine.")] = "1,2",
+    image_size: Annotated[int, typer.Option(min=16, max=1024, help="Side of the synthetic images.")] = 128,
+    batch: Annotated[int, typer.Option(min=1, help="Images per rank per step.")] = 16,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps per run.")] = 30,
+    warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
+    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for both systems.")] = "auto",
+    out: Annotated[Path, typer.Option(help="Folder for train.json and train.png.")] = Path("benchmarks/results"),
+) -> None:
+    """Training images/s of clusterfit vs a hand-written torchrun + DDP loop, per model x worker count, with
+    weak-scaling efficiency; writes JSON and a PNG chart (needs clusterfit[bench])."""
+    from clusterfit.bench.train import RESULTS_JSON, RESULTS_PNG, TrainBenchConfig, parse_list, run_train_bench
+
+    try:
+        config = TrainBenchConfig(
+            models=parse_list("--models", models),
+            workers=parse_list("--workers", workers, int),
+            image_size=image_size,
+            batch=batch,
+            steps=steps,
+            warmup=warmup,
+            precision=precision,
+        )
+        report = run_train_bench(config, out)
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
+    console.print(report.markdown(), markup=False, soft_wrap=True)
+    console.print(f"results: {out / RESULTS_JSON}  chart: {out / RESULTS_PNG}", markup=False)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 

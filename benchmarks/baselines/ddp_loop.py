@@ -1,0 +1,100 @@
+"""The hand-written baseline: the minimal torchrun + DDP training loop a user would write for a throughput test.
+
+A torchvision model, one batch of random tensors reused every step, cross-entropy, SGD with momentum, DDP over
+gloo (CPU) or NCCL (CUDA), channels_last and the same autocast dtype as clusterfit. Rank 0 prints one JSON line
+per step with its wall time; every rank runs with the OMP_NUM_THREADS its launcher set (cores / ranks).
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/baselines/ddp_loop.py \
+        --model resnet50 --image-size 64 --batch 16 --steps 20
+
+`clusterfit bench train` runs it side by side with clusterfit's trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torchvision
+from torch.nn.parallel import DistributedDataParallel
+
+from clusterfit.worker.precision import resolve_precision  # the same `auto` -> dtype rule as clusterfit
+
+
+def build_model(name: str, num_classes: int) -> torch.nn.Module:
+    if name == "resnet_tiny":  # clusterfit's test model: one BasicBlock per stage
+        from torchvision.models.resnet import BasicBlock, ResNet
+
+        return ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
+    return getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16, help="images per rank per step")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--num-classes", type=int, default=1000)
+    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    parser.add_argument("--no-channels-last", dest="channels_last", action="store_false")
+    args = parser.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    precision = resolve_precision(args.precision, device)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+
+    torch.manual_seed(0)
+    model = build_model(args.model, args.num_classes).to(device, memory_format=memory_format)
+    model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.name == "fp16")
+    loss_fn = torch.nn.CrossEntropyLoss()
+    images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
+    images = images.contiguous(memory_format=memory_format)
+    labels = torch.randint(0, args.num_classes, (args.batch,), device=device)
+    autocast = (
+        torch.autocast(device.type, dtype=precision.autocast_dtype)
+        if precision.autocast_dtype is not None
+        else contextlib.nullcontext()
+    )
+    if rank == 0:
+        print(
+            json.dumps(
+                {
+                    "kind": "start",
+                    "world_size": dist.get_world_size(),
+                    "threads": torch.get_num_threads(),
+                    "precision": precision.name,
+                }
+            ),
+            flush=True,
+        )
+    for step in range(1, args.steps + 1):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        with autocast:
+            loss = loss_fn(model(images), labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - started
+        if rank == 0:
+            print(json.dumps({"kind": "step", "step": step, "seconds": seconds}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""`clusterfit bench train`: training images/s of clusterfit vs a hand-written torchrun + DDP loop.
+
+For each model x worker count, in the same run and on the same model, per-rank batch, image size, precision,
+channels_last and threads per rank (cores / ranks):
+
+- clusterfit: `clusterfit run` of a synthetic-data job with `log_every_steps: 1`; per-step images/s from its
+  metrics.jsonl;
+- hand-written: benchmarks/baselines/ddp_loop.py under torchrun; per-step wall time printed by rank 0.
+
+Each system's figure is the median over the steps after `warmup`. Weak-scaling efficiency is
+throughput(n) / (n x throughput(1)); the headline is the ratio clusterfit / hand-written per cell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from clusterfit.backends.local import threads_per_worker
+from clusterfit.spec.errors import SpecError
+from clusterfit.spec.model import MODEL_NAMES
+from clusterfit.worker.precision import resolve_precision
+
+BASELINE_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "baselines" / "ddp_loop.py"
+SYSTEMS = ("hand-written DDP", "clusterfit")
+RESULTS_JSON = "train.json"
+RESULTS_PNG = "train.png"
+NUM_CLASSES = 1000
+_TAIL = 1500  # characters of a failed run's output quoted in the error
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainBenchConfig:
+    models: tuple[str, ...] = ("resnet18", "resnet50")
+    workers: tuple[int, ...] = (1, 2)
+    image_size: int = 128
+    batch: int = 16  # images per rank per step
+    steps: int = 30
+    warmup: int = 5  # steps left out of the median
+    precision: str = "auto"
+    channels_last: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.models if m not in MODEL_NAMES]
+        if not self.models or unknown:
+            raise SpecError(f"--models {','.join(self.models)}: unknown model; choose from {', '.join(MODEL_NAMES)}")
+        if not self.workers or min(self.workers) < 1:
+            raise SpecError(f"--workers {','.join(map(str, self.workers))}: worker counts must be 1 or more")
+        if self.steps <= self.warmup:
+            raise SpecError(f"--steps {self.steps}: must exceed --warmup {self.warmup} to leave steps to measure")
+        if self.precision not in ("auto", "fp32", "bf16", "fp16"):
+            raise SpecError(f"--precision {self.precision}: choose auto, fp32, bf16 or fp16")
+
+
+def parse_list(flag: str, text: str, kind: type = str) -> tuple:
+    """'a,b' -> ('a', 'b'); a one-line error naming the flag otherwise."""
+    try:
+        return tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise SpecError(f"{flag} {text}: expected a comma-separated list of {kind.__name__}") from None
+
+
+@dataclass
+class Cell:
+    system: str
+    model: str
+    workers: int
+    threads_per_rank: int
+    step_images_per_s: list[float]  # every measured step, warm-up included
+    images_per_s: float  # median after warm-up
+    scaling_efficiency: float | None = None  # throughput(n) / (n x throughput(1)); None without a 1-worker cell
+
+
+@dataclass
+class TrainBenchReport:
+    config: TrainBenchConfig
+    machine: dict[str, object]
+    precision: str
+    cells: list[Cell] = field(default_factory=list)
+
+    def cell(self, system: str, model: str, workers: int) -> Cell:
+        return next(c for c in self.cells if (c.system, c.model, c.workers) == (system, model, workers))
+
+    def ratio(self, model: str, workers: int) -> float:
+        baseline, ours = (self.cell(system, model, workers).images_per_s for system in SYSTEMS)
+        return ours / baseline
+
+    def fill_scaling(self) -> None:
+        for c in self.cells:
+            one = [o for o in self.cells if (o.system, o.model, o.workers) == (c.system, c.model, 1)]
+            c.scaling_efficiency = c.images_per_s / (c.workers * one[0].images_per_s) if one else None
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "config": asdict(self.config),
+            "machine": self.machine,
+            "precision": self.precision,
+            "cells": [asdict(c) for c in self.cells],
+            "ratios": [
+                {"model": m, "workers": n, "clusterfit_over_hand_written": self.ratio(m, n)}
+                for m in self.config.models
+                for n in self.config.workers
+            ],
+        }
+
+    def markdown(self) -> str:
+        c, m = self.config, self.machine
+        lines = [
+            f"machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}; {m['device']}",
+            f"{c.image_size}x{c.image_size} synthetic images, batch {c.batch} per rank, {self.precision}, "
+            f"channels_last {c.channels_last}; median images/s over steps {c.warmup + 1}-{c.steps}",
+            "",
+            "| model | workers | threads/rank | hand-written DDP images/s | clusterfit images/s | clusterfit ÷ hand-written "
+            "| scaling eff. hand-written | scaling eff. clusterfit |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for model in c.models:
+            for n in c.workers:
+                base, ours = (self.cell(s, model, n) for s in SYSTEMS)
+                lines.append(
+                    f"| {model} | {n} | {ours.threads_per_rank} | {base.images_per_s:.1f} | {ours.images_per_s:.1f} "
+                    f"| {self.ratio(model, n):.2f}x | {_eff(base)} | {_eff(ours)} |"
+                )
+        return "\n".join(lines)
+
+
+def _eff(cell: Cell) -> str:
+    return "-" if cell.scaling_efficiency is None else f"{cell.scaling_efficiency:.2f}"
+
+
+def machine_facts() -> dict[str, object]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": len(os.sched_getaffinity(0)),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU",
+    }
+
+
+def median_after_warmup(values: list[float], warmup: int) -> float:
+    return statistics.median(values[warmup:])
+
+
+def run_clusterfit(config: TrainBenchConfig, model: str, workers: int, precision: str, workdir: Path) -> list[float]:
+    """Per-step global images/s of `clusterfit run` on synthetic data, from its metrics.jsonl."""
+    out = workdir / f"clusterfit-{model}-{workers}"
+    job = {
+        "name": f"bench-{model}-{workers}",
+        "trainer": {
+            "model": model,
+            "data": {"train": "synthetic", "image_size": config.image_size, "num_classes": NUM_CLASSES},
+            "epochs": 1,
+            "steps_per_epoch": config.steps,
+            "batch_size": config.batch,
+            "precision": precision,
+            "channels_last": config.channels_last,
+            "log_every_steps": 1,
+            "checkpoint": {"every_steps": None, "keep": 1},
+        },
+        "distribution": {"type": "pytorch", "process_count_per_instance": workers},
+        "resources": {"instance_count": 1, "backend": "local"},
+        "outputs": {"dir": str(out)},
+    }
+    spec = workdir / f"clusterfit-{model}-{workers}.yaml"
+    spec.write_text(yaml.safe_dump(job, sort_keys=False))
+    _run(f"clusterfit run ({model}, {workers} worker(s))", [sys.executable, "-m", "clusterfit", "run", str(spec)])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["images_per_s"] for r in records if r.get("kind") == "train"]
+
+
+def run_baseline(config: TrainBenchConfig, model: str, workers: int, precision: str) -> list[float]:
+    """Per-step global images/s of the hand-written loop under torchrun, from rank 0's step times."""
+    if not BASELINE_SCRIPT.is_file():
+        raise SpecError(f"{BASELINE_SCRIPT}: the hand-written baseline is missing; run from a clusterfit source checkout")
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={workers}",
+        str(BASELINE_SCRIPT),
+        f"--model={model}",
+        f"--image-size={config.image_size}",
+        f"--batch={config.batch}",
+        f"--steps={config.steps}",
+        f"--num-classes={NUM_CLASSES}",
+        f"--precision={precision}",
+        *([] if config.channels_last else ["--no-channels-last"]),
+    ]
+    env = {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "PYTHONUNBUFFERED": "1"}
+    stdout = _run(f"hand-written DDP loop ({model}, {workers} worker(s))", command, env)
+    steps = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"kind": "step"')]
+    return [config.batch * workers / s["seconds"] for s in steps]
+
+
+def _run(what: str, command: list[str], env: dict[str, str] | None = None) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if result.returncode != 0:
+        tail = (result.stderr or result.stdout)[-_TAIL:].strip().splitlines()
+        raise SpecError(f"{what} failed with exit code {result.returncode}: {tail[-1] if tail else 'no output'}")
+    return result.stdout
+
+
+def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport:
+    """Every model x worker count, the hand-written loop first and clusterfit right after it on the same cell."""
+    _matplotlib()  # before minutes of training, not after
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        precision = resolve_precision(config.precision, device).name  # both systems get this concrete dtype
+    except ValueError as exc:
+        raise SpecError(f"--precision {config.precision}: {exc}") from None
+    report = TrainBenchReport(config, machine_facts(), precision)
+    with tempfile.TemporaryDirectory(prefix="clusterfit-bench-train-") as tmp:
+        for model in config.models:
+            for workers in config.workers:
+                threads = threads_per_worker(workers)
+                for system in SYSTEMS:
+                    if system == "clusterfit":
+                        steps = run_clusterfit(config, model, workers, precision, Path(tmp))
+                    else:
+                        steps = run_baseline(config, model, workers, precision)
+                    if len(steps) != config.steps:
+                        raise SpecError(f"{system} ({model}, {workers}): {len(steps)} step timings, expected {config.steps}")
+                    median = median_after_warmup(steps, config.warmup)
+                    report.cells.append(Cell(system, model, workers, threads, steps, median))
+    report.fill_scaling()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RESULTS_JSON).write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    plot(report, out_dir / RESULTS_PNG)
+    return report
+
+
+def plot(report: TrainBenchReport, path: Path) -> None:
+    """Bars: images/s per model x workers, hand-written beside clusterfit; line: scaling efficiency (right axis)."""
+    plt = _matplotlib()
+
+    c = report.config
+    groups = [(m, n) for m in c.models for n in c.workers]
+    x = list(range(len(groups)))
+    width = 0.38
+    colours = {"hand-written DDP": "#9e9e9e", "clusterfit": "#1f77b4"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) + 2), 5.0))
+    for offset, system in zip((-width / 2, width / 2), SYSTEMS):
+        values = [report.cell(system, m, n).images_per_s for m, n in groups]
+        bars = ax.bar([i + offset for i in x], values, width, label=f"{system} images/s", color=colours[system])
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_xticks(x, [f"{m}\n{n} worker{'s' if n > 1 else ''}" for m, n in groups])
+    ax.set_ylabel("images/s (median step)")
+    eff_ax = ax.twinx()
+    markers = {"hand-written DDP": "s--", "clusterfit": "o-"}
+    for system in SYSTEMS:
+        for model in c.models:
+            points = [
+                (i, report.cell(system, m, n).scaling_efficiency)
+                for i, (m, n) in enumerate(groups)
+                if m == model and report.cell(system, m, n).scaling_efficiency is not None
+            ]
+            if points:
+                eff_ax.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    markers[system],
+                    color=colours[system],
+                    label=f"{system} scaling efficiency" if model == c.models[0] else None,
+                )
+    efficiencies = [cell.scaling_efficiency or 0.0 for cell in report.cells]
+    eff_ax.set_ylim(0, max(1.2, 1.1 * max(efficiencies)))
+    eff_ax.set_ylabel("weak-scaling efficiency")
+    ax.set_ylim(0, 1.2 * max(cell.images_per_s for cell in report.cells))  # room for the bar labels
+    handles, labels = ax.get_legend_handles_labels()
+    more_handles, more_labels = eff_ax.get_legend_handles_labels()
+    ax.legend(
+        handles + more_handles,
+        labels + more_labels,
+        fontsize=8,
+        ncol=2,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.2),  # below the axes: never over a bar
+    )
+    m = report.machine
+    ax.set_title(
+        f"{c.image_size} px, batch {c.batch}/rank, {report.precision}; {m['cpu']}, {m['cores']} cores, "
+        f"torch {m['torch']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _matplotlib():  # noqa: ANN202 - the pyplot module
+    try:
+        import matplotlib
+    except ImportError:
+        raise SpecError("clusterfit bench train draws its chart with matplotlib: pip install 'clusterfit[bench]'") from None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
