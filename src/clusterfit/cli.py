@@ -194,7 +194,7 @@ def bench_train(
     out: Annotated[Path, typer.Option(help="Folder for train.json and train.png.")] = Path("benchmarks/results"),
 ) -> None:
     """Training images/s of clusterfit vs a hand-written torchrun + DDP loop, per model x worker count, with
-    weak-scaling efficiency; writes JSON and a PNG chart (needs clusterfit[bench])."""
+    weak-scaling efficiency; writes JSON and a PNG chart (needs matplotlib: the bench extra)."""
     from clusterfit.bench.train import RESULTS_JSON, RESULTS_PNG, TrainBenchConfig, parse_list, run_train_bench
 
     try:
