@@ -120,7 +120,8 @@ class TrainBenchReport:
             f"{c.image_size}x{c.image_size} synthetic images, batch {c.batch} per rank, {self.precision}, "
             f"channels_last {c.channels_last}; median images/s over steps {c.warmup + 1}-{c.steps}",
             "",
-            "| model | workers | threads/rank | hand-written DDP images/s | clusterfit images/s | clusterfit ÷ hand-written "
+            "| model | workers | threads/rank | hand-written DDP images/s | clusterfit images/s "
+            "| clusterfit ÷ hand-written "
             "| scaling eff. hand-written | scaling eff. clusterfit |",
             "|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
@@ -190,7 +191,9 @@ def run_clusterfit(config: TrainBenchConfig, model: str, workers: int, precision
 def run_baseline(config: TrainBenchConfig, model: str, workers: int, precision: str) -> list[float]:
     """Per-step global images/s of the hand-written loop under torchrun, from rank 0's step times."""
     if not BASELINE_SCRIPT.is_file():
-        raise SpecError(f"{BASELINE_SCRIPT}: the hand-written baseline is missing; run from a clusterfit source checkout")
+        raise SpecError(
+            f"{BASELINE_SCRIPT}: the hand-written baseline is missing; run from a clusterfit source checkout"
+        )
     command = [
         sys.executable,
         "-m",
@@ -240,7 +243,9 @@ def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport
                     else:
                         steps = run_baseline(config, model, workers, precision)
                     if len(steps) != config.steps:
-                        raise SpecError(f"{system} ({model}, {workers}): {len(steps)} step timings, expected {config.steps}")
+                        raise SpecError(
+                            f"{system} ({model}, {workers}): {len(steps)} step timings, expected {config.steps}"
+                        )
                     median = median_after_warmup(steps, config.warmup)
                     report.cells.append(Cell(system, model, workers, threads, steps, median))
     report.fill_scaling()
@@ -312,7 +317,9 @@ def _matplotlib():  # noqa: ANN202 - the pyplot module
     try:
         import matplotlib
     except ImportError:
-        raise SpecError("clusterfit bench train draws its chart with matplotlib: pip install 'clusterfit[bench]'") from None
+        raise SpecError(
+            "clusterfit bench train draws its chart with matplotlib: pip install 'clusterfit[bench]'"
+        ) from None
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
