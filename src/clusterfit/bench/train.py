@@ -265,7 +265,7 @@ def plot(report: TrainBenchReport, path: Path) -> None:
     width = 0.38
     colours = {"hand-written DDP": "#9e9e9e", "clusterfit": "#1f77b4"}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) + 2), 5.0))
-    for offset, system in zip((-width / 2, width / 2), SYSTEMS):
+    for offset, system in zip((-width / 2, width / 2), SYSTEMS, strict=True):
         values = [report.cell(system, m, n).images_per_s for m, n in groups]
         bars = ax.bar([i + offset for i in x], values, width, label=f"{system} images/s", color=colours[system])
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
