@@ -89,3 +89,16 @@ def test_bench_train_refuses_bad_flags_in_one_line(tmp_path, flags: list[str], m
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), result.stderr
     assert not (tmp_path / "train.json").exists()
+
+
+def test_bench_peak_reports_flops_and_fraction_of_peak() -> None:
+    result = run_cli("bench", "peak", "--dtypes", "fp32", "--size", "128", "--repeats", "2", "--images-per-s", "50")
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("fp32 matmul 128x128: "))
+    assert "GFLOP/s; ResNet-50 at 50 images/s (224 px) is " in line and line.endswith("% of it")
+
+
+def test_bench_peak_refuses_an_unknown_dtype() -> None:
+    result = run_cli("bench", "peak", "--dtypes", "fp8")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["error: --dtypes: 'fp8' is not one of fp32, bf16, fp16"]

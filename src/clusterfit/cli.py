@@ -214,6 +214,39 @@ def bench_train(
     console.print(f"results: {out / RESULTS_JSON}  chart: {out / RESULTS_PNG}", markup=False)
 
 
+@bench_app.command("peak")
+def bench_peak(
+    dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16 (and fp16 on CUDA).")] = "fp32,bf16",
+    size: Annotated[int, typer.Option(min=64, max=16384, help="Side of the square matrices.")] = 2048,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed multiplies; the fastest counts.")] = 5,
+    images_per_s: Annotated[
+        Optional[float],  # noqa: UP045 - typer needs Optional here
+        typer.Option(help="A measured ResNet-50 training rate, to report as a fraction of peak."),
+    ] = None,
+    image_size: Annotated[int, typer.Option(min=16, help="Image side of that training rate.")] = 224,
+) -> None:
+    """The machine's matmul FLOP/s per dtype (all cores, or the GPU), and optionally a ResNet-50 training rate
+    as a fraction of it (24.5 GFLOP per 224x224 image, scaled by the pixel count)."""
+    import torch
+
+    from clusterfit.bench.peak import machine_description, measure_matmul, resnet50_train_flop
+
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    console.print(machine_description(device), markup=False)
+    try:
+        results = [measure_matmul(name.strip(), size, repeats, device) for name in dtypes.split(",") if name.strip()]
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
+    for result in results:
+        line = f"{result.dtype} matmul {result.size}x{result.size}: {result.tflops * 1000:.1f} GFLOP/s"
+        if images_per_s is not None:
+            achieved = images_per_s * resnet50_train_flop(image_size) / 1e12
+            line += (
+                f"; ResNet-50 at {images_per_s:g} images/s ({image_size} px) is {achieved / result.tflops:.0%} of it"
+            )
+        console.print(line, markup=False, soft_wrap=True)
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 

@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader
 
+from clusterfit.bench.machine import cpu_model
 from clusterfit.data.imagefolder import LabeledImages, collate_labeled, list_samples, train_transform
 from clusterfit.data.loaders import IMAGENET_MEAN, IMAGENET_STD
 from clusterfit.data.shardreader import ShardTrainSamples, as_is
@@ -96,14 +97,7 @@ class DataBenchReport:
 
 
 def machine_description() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     import PIL
     import torchvision
 

@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from clusterfit.backends.local import threads_per_worker
+from clusterfit.bench.machine import cpu_model
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES
 from clusterfit.worker.precision import resolve_precision
@@ -140,14 +141,7 @@ def _eff(cell: Cell) -> str:
 
 
 def machine_facts() -> dict[str, object]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "cpu": cpu,
         "cores": len(os.sched_getaffinity(0)),

@@ -1,0 +1,54 @@
+"""The machine's measured matrix-multiply rate, so training throughput can be read as a fraction of peak."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from clusterfit.bench.machine import cpu_model
+from clusterfit.spec.errors import SpecError
+
+# Forward + backward of ResNet-50 on one 224x224 image: 3 x 4.1 GFLOP (multiply-adds counted as 2).
+RESNET50_TRAIN_GFLOP_224 = 24.5
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class PeakResult:
+    dtype: str
+    size: int
+    tflops: float  # the best of the timed repeats
+
+
+def resnet50_train_flop(image_size: int) -> float:
+    """FLOP of one training step per image; convolution cost scales with the pixel count."""
+    return RESNET50_TRAIN_GFLOP_224 * 1e9 * (image_size / 224) ** 2
+
+
+def measure_matmul(dtype_name: str, size: int, repeats: int, device: torch.device) -> PeakResult:
+    if dtype_name not in _DTYPES:
+        raise SpecError(f"--dtypes: {dtype_name!r} is not one of {', '.join(_DTYPES)}")
+    if dtype_name == "fp16" and device.type != "cuda":
+        raise SpecError("--dtypes: fp16 matmul is only measured on a CUDA GPU; use fp32 or bf16 here")
+    dtype = _DTYPES[dtype_name]
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    torch.matmul(a, b)  # warm-up: kernel selection, AMX tile set-up
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return PeakResult(dtype_name, size, 2 * size**3 / best / 1e12)
+
+
+def machine_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
