@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from clusterfit.backends.local import threads_per_worker
 from clusterfit.backends.rank_logs import rotate
+from clusterfit.backends.torchrun import threads_per_worker
 from clusterfit.data.imagefolder import ShardSampler
 from clusterfit.data.synthetic import SyntheticData
 from clusterfit.models import build_model

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from clusterfit.backends.base import Backend, Rendered, RunHandle
+from clusterfit.backends.base import Backend, EngineRef, EngineStatus, Rendered, RunHandle
 
 _REGISTRY = {
     "local": "clusterfit.backends.local:LocalBackend",
@@ -19,4 +19,4 @@ def get_backend(name: str) -> Backend:
     return getattr(importlib.import_module(module_name), class_name)()
 
 
-__all__ = ["Backend", "Rendered", "RunHandle", "get_backend"]
+__all__ = ["Backend", "EngineRef", "EngineStatus", "Rendered", "RunHandle", "get_backend"]

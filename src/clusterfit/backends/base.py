@@ -1,10 +1,10 @@
-"""The interface every engine implements: render what it would start, then start it."""
+"""The interface every engine implements: render what it would start, start it, find it again later."""
 
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 from clusterfit.spec.model import JobSpec
 
@@ -25,8 +25,31 @@ class Rendered:
         return f"{env} {shlex.join(self.command)}".strip()
 
 
+@dataclass(frozen=True)
+class EngineRef:
+    """How to find a submitted job's processes again from another process; the job store keeps it.
+
+    `id` is the engine's own name for the job (local: the agent's pid; Slurm: the job id; Ray: the
+    placement group name); `extra` holds what else that engine needs (local: the pid's start time, so a
+    reused pid is never mistaken for the job)."""
+
+    backend: str
+    id: str
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """What the engine says of a job: still running, exited with a code, or gone without one."""
+
+    state: Literal["running", "exited", "gone"]
+    exit_code: int | None = None
+
+
 class RunHandle(Protocol):
     """A started job. Its output is not here: every engine leaves per-rank logs in `outputs.dir/logs`."""
+
+    ref: EngineRef
 
     def poll(self) -> int | None: ...
 
@@ -43,3 +66,11 @@ class Backend(Protocol):
     def dry_run(self, spec: JobSpec) -> Rendered: ...
 
     def submit(self, spec: JobSpec) -> RunHandle: ...
+
+    def status(self, ref: EngineRef) -> EngineStatus:
+        """The job's state from the engine itself, from any process (not only the one that submitted it)."""
+        ...
+
+    def cancel(self, ref: EngineRef) -> None:
+        """Stop every process of the job from any process; returns once they are gone."""
+        ...

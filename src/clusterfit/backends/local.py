@@ -8,52 +8,23 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
-from clusterfit.backends.base import Rendered
+from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.torchrun import (
+    RESOLVED_SPEC,
+    resolved_spec_text,
+    storage_secret_env,
+    threads_per_worker,
+    torchrun_command,
+    worker_env,
+)
 from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
 from clusterfit.spec.model import JobSpec
 
-RESOLVED_SPEC = "job.yaml"
-STORAGE_SAS_TOKEN_ENV = "CLUSTERFIT_STORAGE_SAS_TOKEN"  # read by clusterfit.data.staging in the workers
 _CANCEL_GRACE_S = 20.0
-
-
-def threads_per_worker(processes: int, cores: int | None = None) -> int:
-    """CPU threads per rank so that ranks never oversubscribe the cores."""
-    cores = cores or len(os.sched_getaffinity(0))
-    return max(1, cores // processes)
-
-
-def resolved_spec_text(spec: JobSpec) -> str:
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
-
-
-def storage_secret_env(spec: JobSpec) -> dict[str, str]:
-    token = spec.storage.sas_token
-    return {STORAGE_SAS_TOKEN_ENV: token.get_secret_value()} if token else {}
-
-
-def torchrun_command(spec: JobSpec, *, python: str = sys.executable) -> list[str]:
-    out = Path(spec.outputs.dir)
-    dist = spec.distribution
-    return [
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",  # c10d rendezvous on a free local port; no port to pick or collide on
-        "--nnodes=1",
-        f"--nproc-per-node={dist.process_count_per_instance}",
-        f"--max-restarts={dist.max_restarts}",
-        "--logs-specs=clusterfit",
-        f"--log-dir={out / LOG_DIR}",
-        "-m",
-        "clusterfit.worker",
-        "--spec",
-        str(out / RESOLVED_SPEC),
-    ]
 
 
 class LocalBackend:
@@ -64,14 +35,7 @@ class LocalBackend:
         return Rendered(
             backend=self.name,
             command=torchrun_command(spec),
-            env={
-                "OMP_NUM_THREADS": str(threads),
-                "PYTHONUNBUFFERED": "1",
-                # NOTE: with the agent's TCPStore shared across restarts, restarted workers can read the
-                # previous attempt's gloo/NCCL addresses and fail with "Connection refused". A store per
-                # rendezvous round (hosted by rank 0 on a fresh port) makes restarts reliable.
-                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-            },
+            env={**worker_env(threads), **spec.environment_variables},
             files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(spec)},
             secret_env=storage_secret_env(spec),
         )
@@ -96,10 +60,20 @@ class LocalBackend:
             )
         return LocalRun(process)
 
+    def status(self, ref: EngineRef) -> EngineStatus:
+        # Only the submitting process can read the agent's exit code; others see whether its group lives.
+        return EngineStatus("running" if _group_alive(ref) else "gone")
+
+    def cancel(self, ref: EngineRef) -> None:
+        if _group_alive(ref):
+            _stop_group(int(ref.id), lambda timeout: _wait_group_gone(ref, timeout))
+
 
 class LocalRun:
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process
+        # The agent leads its own session, so its pid is also the process group of every worker.
+        self.ref = EngineRef("local", str(process.pid), {"start_time": _start_time(process.pid) or ""})
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -111,13 +85,48 @@ class LocalRun:
         """SIGTERM to the agent's group (torchrun forwards it to the workers), SIGKILL after a grace period."""
         if self.process.poll() is not None:
             return
-        pgid = os.getpgid(self.process.pid)
-        os.killpg(pgid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(_CANCEL_GRACE_S)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)  # also reaps workers that outlived the agent
+        _stop_group(self.process.pid, self._wait)
         self.process.wait()
+
+    def _wait(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout)
+
+
+def _stop_group(pgid: int, wait: Callable[[float], None]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    wait(_CANCEL_GRACE_S)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)  # also reaps workers that outlived the agent
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _group_alive(ref: EngineRef) -> bool:
+    pgid = int(ref.id)
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    leader_start = _start_time(pgid)
+    # The leader may be gone while workers of its group live on; a different start time means a reused pid.
+    return leader_start is None or not ref.extra.get("start_time") or leader_start == ref.extra["start_time"]
+
+
+def _wait_group_gone(ref: EngineRef, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while _group_alive(ref) and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _stop_when_launcher_dies() -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from clusterfit.backends.local import threads_per_worker
+from clusterfit.backends.torchrun import threads_per_worker
 from clusterfit.bench.machine import cpu_model
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES

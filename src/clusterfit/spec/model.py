@@ -179,6 +179,19 @@ class OutputsSpec(_Strict):
     dir: str
 
 
+class LimitsSpec(_Strict):
+    max_retries: int = Field(
+        0, ge=0, le=100, description="times the job service re-runs a failed job from its last checkpoint"
+    )
+    hang_timeout: int = Field(
+        1800, ge=5, description="seconds without a training step on any rank before the job counts as hung"
+    )
+
+
+class QueueSettingsSpec(_Strict):
+    priority: int = Field(0, ge=-1000, le=1000, description="queued jobs with a higher priority start first")
+
+
 class JobSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     description: str | None = None
@@ -187,6 +200,11 @@ class JobSpec(_Strict):
     resources: ResourcesSpec = ResourcesSpec()
     outputs: OutputsSpec
     storage: StorageSpec = StorageSpec()
+    environment_variables: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], str] = Field(
+        default_factory=dict, description="set in every worker process"
+    )
+    limits: LimitsSpec = LimitsSpec()
+    queue_settings: QueueSettingsSpec = QueueSettingsSpec()
 
     @model_validator(mode="after")
     def _pipeline_fits_the_workers(self) -> JobSpec:

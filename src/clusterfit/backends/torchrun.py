@@ -1,0 +1,85 @@
+"""What every engine places on each node: torchrun's elastic agent, with the same worker and environment.
+
+Engines differ only in how they start this command on each node; the workers always see the standard
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT environment that torchrun sets."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from clusterfit.monitoring.logtail import LOG_DIR
+from clusterfit.spec.model import JobSpec
+
+RESOLVED_SPEC = "job.yaml"
+STORAGE_SAS_TOKEN_ENV = "CLUSTERFIT_STORAGE_SAS_TOKEN"  # read by clusterfit.data.staging in the workers
+RDZV_PORT = 29400  # torchrun's default c10d port on the first node
+
+
+def threads_per_worker(processes: int, cores: int | None = None) -> int:
+    """CPU threads per rank so that ranks never oversubscribe the cores."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, cores // processes)
+
+
+def resolved_spec_text(spec: JobSpec) -> str:
+    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+def storage_secret_env(spec: JobSpec) -> dict[str, str]:
+    token = spec.storage.sas_token
+    return {STORAGE_SAS_TOKEN_ENV: token.get_secret_value()} if token else {}
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """Variables every engine sets for the agent and its workers."""
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+        # NOTE: with the agent's TCPStore shared across restarts, restarted workers can read the previous
+        # attempt's gloo/NCCL addresses and fail with "Connection refused". A store per rendezvous round
+        # (hosted by rank 0 on a fresh port) makes restarts reliable.
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+
+
+def worker_argv(spec: JobSpec) -> list[str]:
+    """The program torchrun starts in each worker process."""
+    return ["-m", "clusterfit.worker", "--spec", str(Path(spec.outputs.dir) / RESOLVED_SPEC)]
+
+
+def torchrun_command(
+    spec: JobSpec,
+    *,
+    python: str = sys.executable,
+    rdzv_endpoint: str | None = None,
+    run_id: str | None = None,
+) -> list[str]:
+    """The agent command for one node. Without `rdzv_endpoint` it is a single-node `--standalone` run
+    (c10d on a free local port); with it, every node joins the c10d rendezvous hosted at that address."""
+    out = Path(spec.outputs.dir)
+    dist = spec.distribution
+    nodes = spec.resources.instance_count
+    if rdzv_endpoint is None:
+        placement = ["--standalone", "--nnodes=1"]
+    else:
+        placement = [
+            f"--nnodes={nodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_endpoint}",
+            f"--rdzv-id={run_id or spec.name}",
+        ]
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        *placement,
+        f"--nproc-per-node={dist.process_count_per_instance}",
+        f"--max-restarts={dist.max_restarts}",
+        "--logs-specs=clusterfit",
+        f"--log-dir={out / LOG_DIR}",
+        *worker_argv(spec),
+    ]
