@@ -86,3 +86,13 @@ def tiny_imagefolder(tmp_path: Path) -> Path:
 
     # 15 validation images: 2 ranks get 8 and 7, so exact counting across ranks is exercised.
     return make_tiny_imagefolder(tmp_path / "data", classes=3, train_per_class=16, val_per_class=5, size=40)
+
+
+@pytest.fixture(autouse=True)
+def service_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own job store (CLUSTERFIT_HOME), inherited by the CLI processes it starts."""
+    home = tmp_path_factory.mktemp("clusterfit-home")
+    monkeypatch.setenv("CLUSTERFIT_HOME", str(home))
+    monkeypatch.delenv("CLUSTERFIT_DATABASE_URL", raising=False)
+    monkeypatch.delenv("CLUSTERFIT_SERVER", raising=False)
+    return home

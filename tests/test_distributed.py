@@ -217,7 +217,7 @@ def test_failed_job_names_the_rank_and_the_exception(tmp_path: Path, tiny_imagef
     result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
     assert result.returncode == 1
     errors = result.stderr.strip().splitlines()
-    assert errors[0] == "error: job tiny failed (exit code 1)"
+    assert re.fullmatch(r"error: job tiny \(\w+\) failed: Python exception", errors[0]), errors[0]
     assert any(
         line.startswith("error: rank ")
         and "BadInputError: " in line
