@@ -203,7 +203,7 @@ def test_200_concurrent_submissions_survive_a_restart(database_url: str, tmp_pat
         cancelled = sorted(ids)[:5]
         for job_id in cancelled:
             assert http.post(f"/api/jobs/{job_id}/cancel").json()["state"] == "CANCELLED"
-    assert server.process.returncode == 0  # SIGTERM stops it cleanly
+    assert server.process.returncode == 0 and "clusterfit server stopped" in "".join(server.output)  # SIGTERM
     assert open_store().count_jobs() == 200
 
     with ServerProcess("--paused") as server, client(server.url, token) as http:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -272,6 +273,12 @@ def serve(
     host, port = sock.getsockname()[:2]
     scheme = "https" if tls_cert else "http"
     shown = f"[{host}]" if ":" in host else host
+    # NOTE: uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handlers it
+    # found; these make that second delivery a no-op, so the maintenance thread is stopped too and we exit 0.
+    stopped_by: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, _frame: stopped_by.append(number))
     with Maintenance(store, settings.maintenance_every_s, start_jobs=not settings.paused).running():
         announce(f"clusterfit server listening on {scheme}://{shown}:{port} (dashboard: {scheme}://{shown}:{port}/)")
         server.run(sockets=[sock])
+    announce("clusterfit server stopped")
