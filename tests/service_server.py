@@ -15,6 +15,7 @@ import httpx
 
 from clusterfit.service.auth import hash_token, issue_token
 from clusterfit.service.migrate import open_store
+from clusterfit.service.states import JobState
 
 
 class ServerProcess:
@@ -79,3 +80,14 @@ def expired_token() -> str:
 def client(url: str, token: str | None = None, **kwargs: object) -> httpx.Client:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     return httpx.Client(base_url=url, headers=headers, timeout=120, **kwargs)
+
+
+def cancel_active_jobs(timeout: float = 60) -> None:
+    """Ask every job still active in this test's store to stop (their supervisors act on it), and wait:
+    a failing test must not leave training processes behind on a shared machine."""
+    store = open_store()
+    for job in store.active_jobs() + store.list_jobs(JobState.QUEUED):
+        store.request_cancel(job.id)
+    deadline = time.monotonic() + timeout
+    while store.active_jobs() and time.monotonic() < deadline:
+        time.sleep(0.5)
