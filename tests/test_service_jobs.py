@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,20 @@ def test_a_rank_that_sleeps_forever_is_a_hang_with_stacks_in_the_logs(tmp_path: 
     assert not processes_mentioning(str(out))
 
 
+def test_a_collective_that_waits_too_long_is_named(tmp_path: Path) -> None:
+    job_id, out = _submit(
+        tmp_path,
+        trainer={"steps_per_epoch": 50},
+        environment_variables={"CLUSTERFIT_FAULT": "hang:rank=1:step=2"},
+        limits={"hang_timeout": 300, "collective_timeout": 5},
+    )
+    assert _ended(job_id) == "FAILED"
+    status = _status(job_id)
+    assert "cause: collective timeout (COLLECTIVE_TIMEOUT)" in status
+    assert "rank 0: a collective timed out; another rank stopped taking part" in status
+    assert not processes_mentioning(str(out))
+
+
 def test_a_rank_killed_by_sigkill_is_named(tmp_path: Path) -> None:
     job_id, out = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
     wait_for(lambda: _state(job_id) == "RUNNING", 180, "RUNNING")
@@ -165,3 +180,29 @@ def test_a_job_whose_supervisor_died_is_not_shown_running(tmp_path: Path) -> Non
     status = _status(job_id)
     assert "FAILED" in status and "cause: node lost (NODE_LOST)" in status
     assert f"the process supervising this job (pid {supervisor} on" in status
+
+
+def test_a_bad_spec_is_refused_at_submit_and_nothing_is_recorded(tmp_path: Path) -> None:
+    spec = tiny_job(tmp_path / "out")
+    spec["trainer"]["epochs"] = 0
+    result = run_cli("submit", str(write_job(tmp_path / "job.yaml", spec)))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'job.yaml'}: trainer.epochs = 0: Input should be greater than or equal to 1"
+    ]
+    assert open_store().list_jobs() == []
+
+
+def test_data_gone_before_a_queued_job_starts_is_a_bad_spec(
+    tmp_path: Path, tiny_imagefolder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CLUSTERFIT_CAPACITY", "2")
+    blocker, _ = _submit(tmp_path, "blocker", trainer={"steps_per_epoch": 5000})
+    data = {"train": str(tiny_imagefolder / "train"), "image_size": 32, "num_classes": None}
+    waiting, _ = _submit(tmp_path, "waiting", trainer={"data": data})
+    assert _state(waiting) == "QUEUED"
+    shutil.rmtree(tiny_imagefolder / "train")
+    assert run_cli("cancel", blocker).returncode == 0
+    assert _ended(waiting) == "FAILED"
+    status = _status(waiting)
+    assert "cause: bad spec (BAD_SPEC)" in status and "no such folder" in status
