@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +57,31 @@ def cli_command(*args: str) -> list[str]:
 def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "200"}
     return subprocess.run(cli_command(*args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs of clusterfit processes whose command line contains `marker` (e.g. a job's outputs folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmdline and "clusterfit" in cmdline and int(entry.name) != os.getpid():
+                pids.append(int(entry.name))
+    return pids
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Poll until `predicate()` is truthy; returns its value, or fails the test naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(interval)
 
 
 def exported_weights(out_dir: Path) -> dict[str, Any]:

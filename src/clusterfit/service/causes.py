@@ -51,6 +51,7 @@ class Evidence:
     rank_exits: dict[int, int] = field(default_factory=dict)  # rank -> exit code, from the agent's summary
     log_tails: dict[int, tuple[str, ...]] = field(default_factory=dict)  # rank -> last lines of its log
     agent_tail: tuple[str, ...] = ()
+    root_rank: int | None = None  # the first failure torchrun observed ("Root Cause" in its summary)
     oom_kills: int = 0  # OOM kills the kernel counted on this node during the attempt
 
 
@@ -78,23 +79,15 @@ def classify(evidence: Evidence) -> Failure:
                 f"rank {rank}: a collective timed out; another rank stopped taking part",
                 hits[-1].strip(),
             )
-    killed = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code == -signal.SIGKILL}
-    if killed and evidence.oom_kills > 0:
-        ranks = ", ".join(str(rank) for rank in killed)
-        return Failure(
-            FailureCause.OOM,
-            f"rank {ranks} killed by the kernel's OOM killer ({evidence.oom_kills} OOM kill(s) on the node); "
-            "lower trainer.batch_size or trainer.data.loader_workers, or use more memory",
-        )
+    root_code = evidence.rank_exits.get(evidence.root_rank) if evidence.root_rank is not None else None
+    if root_code is not None and root_code < 0:  # the others' errors ("connection reset") only follow from it
+        return _killed(evidence.root_rank, root_code, evidence.oom_kills)  # type: ignore[arg-type]
     if evidence.exceptions:
-        first = evidence.exceptions[0]
+        first = next((e for e in evidence.exceptions if e.rank == evidence.root_rank), evidence.exceptions[0])
         return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
     signalled = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code < 0}
     if signalled:
-        rank, code = next(iter(signalled.items()))
-        name = _signal_name(-code)
-        who = " (by another process or the OOM killer; the kernel counted no OOM kill)" if code == -9 else ""
-        return Failure(FailureCause.SIGNAL, f"rank {rank} killed by {name}{who}")
+        return _killed(*next(iter(signalled.items())), evidence.oom_kills)
     if any(_RENDEZVOUS_LOST.search(line) for line in evidence.agent_tail):
         return Failure(FailureCause.NODE_LOST, "a node left the rendezvous (its agent or machine is gone)")
     failed = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code != 0}
@@ -104,6 +97,17 @@ def classify(evidence: Evidence) -> Failure:
     if evidence.exit_code is not None and evidence.exit_code < 0:
         return Failure(FailureCause.SIGNAL, f"the job's agent was killed by {_signal_name(-evidence.exit_code)}")
     return Failure(FailureCause.EXIT_CODE, f"the job exited with code {evidence.exit_code}")
+
+
+def _killed(rank: int, code: int, oom_kills: int) -> Failure:
+    if code == -signal.SIGKILL and oom_kills > 0:
+        return Failure(
+            FailureCause.OOM,
+            f"rank {rank} killed by the kernel's OOM killer ({oom_kills} OOM kill(s) on the node); "
+            "lower trainer.batch_size or trainer.data.loader_workers, or use more memory",
+        )
+    who = " (by another process or the OOM killer; the kernel counted no OOM kill)" if code == -signal.SIGKILL else ""
+    return Failure(FailureCause.SIGNAL, f"rank {rank} killed by {_signal_name(-code)}{who}")
 
 
 def _signal_name(number: int) -> str:
@@ -119,10 +123,12 @@ def _last(evidence: Evidence, rank: int) -> str:
 
 
 def gather_evidence(log_dir: Path, exit_code: int | None, oom_kills: int = 0) -> Evidence:
+    exits, root_rank = _agent_rank_exits(log_dir / AGENT_LOG)
     return Evidence(
         exit_code=exit_code,
         exceptions=tuple(_exceptions(log_dir)),
-        rank_exits=_agent_rank_exits(log_dir / AGENT_LOG),
+        rank_exits=exits,
+        root_rank=root_rank,
         log_tails={
             int(match.group(1)): tuple(tail_lines(path, _TAIL_LINES))
             for path in (log_dir.iterdir() if log_dir.is_dir() else [])
@@ -166,19 +172,26 @@ def _exceptions(log_dir: Path) -> list[RankException]:
     return sorted(found, key=lambda e: (e.timestamp, e.rank))
 
 
-def _agent_rank_exits(agent_log: Path) -> dict[int, int]:
-    """rank -> exit code from the failure summary torchrun prints when workers fail."""
+def _agent_rank_exits(agent_log: Path) -> tuple[dict[int, int], int | None]:
+    """rank -> exit code from the failure summary torchrun prints when workers fail, and the rank it names
+    as the root cause (the first failure it observed)."""
     exits: dict[int, int] = {}
     rank: int | None = None
+    root_rank: int | None = None
+    in_root_section = False
     for line in tail_lines(agent_log, 400):
+        if "Root Cause" in line:
+            in_root_section, root_rank = True, None
         rank_match = _AGENT_RANK.search(line)
         if rank_match:
             rank = int(rank_match.group(1))
+            if in_root_section and root_rank is None:
+                root_rank = rank
         exit_match = _AGENT_EXIT.search(line)
         if exit_match and rank is not None:
             exits[rank] = int(exit_match.group(1))
             rank = None
-    return exits
+    return exits, root_rank
 
 
 def oom_kill_count() -> int:

@@ -194,12 +194,16 @@ def _hang(beats: dict[int, RankBeat], hang_timeout: float, now: float) -> str | 
     # The ranks' own faulthandler timers fire at hang_timeout + 1 s after their last beat.
     if now - newest < hang_timeout + 1.0:
         return None
-    stalest = min(beats.values(), key=lambda beat: (beat.step, beat.time))
+    steps = {beat.step for beat in beats.values()}
+    if len(steps) > 1:
+        stalest = min(beats.values(), key=lambda beat: (beat.step, beat.time))
+        where = f"rank {stalest.rank} is furthest behind at step {stalest.step}"
+    else:
+        where = f"every rank last reported step {steps.pop()}"
     logs = ", ".join(f"{LOG_DIR}/rank-{rank}.log" for rank in sorted(beats))
     return (
         f"no training step on any rank for {now - newest:.0f} s (limits.hang_timeout = {hang_timeout:g} s); "
-        f"rank {stalest.rank} is furthest behind at step {stalest.step}; "
-        f"the Python stacks of every thread of every rank are in {logs}"
+        f"{where}; the Python stacks of every thread of every rank are in {logs}"
     )
 
 

@@ -92,7 +92,7 @@ class Trainer:
         self.spec, self.env, self.cfg = spec, env, spec.trainer
         self.out = Path(spec.outputs.dir)
         self.device = pick_device(env)
-        init_distributed(env, self.device)
+        init_distributed(env, self.device, spec.limits.collective_timeout)
         log.info(
             "rank %d of %d (local rank %d) on %s, %d CPU threads, pid %d",
             env.rank,
