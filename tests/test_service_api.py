@@ -4,7 +4,12 @@ real HTTP, on SQLite and on a real PostgreSQL."""
 from __future__ import annotations
 
 import re
+import selectors
+import socket
 import ssl
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -257,6 +262,44 @@ def test_cli_prints_the_same_through_a_server(paused_server: ServerProcess, tmp_
     assert run_cli("logs", job_id, "--rank", "1", *remote).stdout.splitlines() == shown[-2:]
 
 
+def _line(process: subprocess.Popen[str], timeout: float = 60) -> str:
+    """The next line a process prints; fails instead of hanging when none comes."""
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        assert selector.select(timeout), f"no output within {timeout} s"
+    return process.stdout.readline()
+
+
+def test_logs_follow_through_a_server(paused_server: ServerProcess, tmp_path: Path) -> None:
+    token = make_token("submit")
+    with client(paused_server.url, token) as http:
+        job_id = http.post("/api/jobs", json={"spec": _spec_text(tmp_path)}).json()["id"]
+        logs = tmp_path / "out" / "logs"
+        logs.mkdir(parents=True)
+        rank0 = logs / "rank-0.log"
+        rank0.write_text("first\n")
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "clusterfit", "logs", job_id, "-f", "--server", paused_server.url, "--token", token],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert _line(follower) == "[rank0] first\n"  # printed while the job is still queued
+            with rank0.open("a") as f:
+                f.write("second, written in two")
+                f.flush()
+                time.sleep(1.5)  # the follower polls meanwhile and must not print half a line
+                f.write(" parts\nlast without newline")
+            assert _line(follower) == "[rank0] second, written in two parts\n"
+            http.post(f"/api/jobs/{job_id}/cancel")
+            out, err = follower.communicate(timeout=60)  # the job ended: the follower prints the rest and exits
+        finally:
+            follower.kill()
+    assert follower.returncode == 0, err
+    assert out == "[rank0] last without newline\n"
+
+
 def test_cli_errors_are_one_line(paused_server: ServerProcess, tmp_path: Path) -> None:
     job_file = write_job(tmp_path / "job.yaml", tiny_job(tmp_path / "out"))
     cases = [
@@ -296,6 +339,11 @@ def test_server_refuses_unsafe_or_broken_settings(tmp_path: Path) -> None:
     assert open_to_all.returncode == 2 and "--no-auth with --host 0.0.0.0" in open_to_all.stderr
     half_tls = run_cli("server", "--tls-cert", str(tmp_path / "cert.pem"), "--port", "0")
     assert half_tls.returncode == 2 and "go together" in half_tls.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = run_cli("server", "--port", str(taken.getsockname()[1]))
+    assert busy.returncode == 2 and "cannot listen on 127.0.0.1" in busy.stderr
 
 
 def _self_signed(folder: Path) -> tuple[Path, Path]:
