@@ -91,7 +91,12 @@ class Supervisor:
         backend = get_backend(spec.resources.backend)
         ooms_before = oom_kill_count()
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
-        handle = backend.submit(spec)
+        try:
+            handle = backend.submit(spec)
+        except SpecError as exc:
+            return Outcome.FAILED, Failure(FailureCause.BAD_SPEC, str(exc))
+        except (OSError, RuntimeError, ValueError) as exc:  # e.g. sbatch refused it, the cluster is unreachable
+            return Outcome.FAILED, Failure(FailureCause.ENGINE, f"{backend.name}: {exc}")
         self.store.update(job.id, engine_ref=dump_json(asdict(handle.ref)))
         try:
             outcome, detail = self._watch(job.id, spec, attempt, handle)
