@@ -9,11 +9,12 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import processes_mentioning, run_cli, tiny_job, wait_for, write_job
+from conftest import cli_command, processes_mentioning, run_cli, tiny_job, wait_for, write_job
 
 from clusterfit.service.migrate import open_store
 from clusterfit.service.records import read_heartbeats
@@ -55,7 +56,10 @@ def _alive(pid: int) -> bool:
 def test_submitted_job_runs_to_success_and_is_shown(tmp_path: Path) -> None:
     job_id, out = _submit(tmp_path)
     assert len(job_id) == 10
-    assert _ended(job_id) == "SUCCEEDED", _status(job_id)
+    follower = subprocess.Popen(cli_command("logs", job_id, "-f"), stdout=subprocess.PIPE, text=True)
+    followed, _ = follower.communicate(timeout=240)  # -f returns by itself once the job has ended
+    assert _state(job_id) == "SUCCEEDED", _status(job_id)
+    assert "exported" in followed and "[rank1@" in followed
     assert (out / "model" / "model.safetensors").exists()
     status = _status(job_id)
     assert f"job {job_id} (tiny): SUCCEEDED, attempt 1 of 1" in status

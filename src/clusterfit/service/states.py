@@ -58,6 +58,7 @@ class FailureCause(str, enum.Enum):
     NODE_LOST = "NODE_LOST"  # a node or the process supervising the job went away
     SIGNAL = "SIGNAL"  # killed by a signal from outside
     EXIT_CODE = "EXIT_CODE"  # a non-zero exit without anything more specific
+    ENGINE = "ENGINE"  # the engine refused or lost the submission (sbatch failed, Ray unreachable, ...)
     CANCELLED = "CANCELLED"  # cancelled by a user
     BAD_SPEC = "BAD_SPEC"  # the spec or its data was refused before any worker started
 
@@ -75,6 +76,7 @@ _WORDS = {
     FailureCause.NODE_LOST: "node lost",
     FailureCause.SIGNAL: "killed by a signal",
     FailureCause.EXIT_CODE: "exited with an error",
+    FailureCause.ENGINE: "the engine refused the job",
     FailureCause.CANCELLED: "cancelled by user",
     FailureCause.BAD_SPEC: "bad spec",
 }

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from clusterfit.backends import RunHandle, get_backend
 from clusterfit.backends.local import process_start_time
+from clusterfit.launch import preflight
 from clusterfit.monitoring.logtail import LOG_DIR
 from clusterfit.monitoring.progress import MetricsTail
 from clusterfit.monitoring.sinks import METRICS_FILE
@@ -79,9 +80,7 @@ class Supervisor:
     def _attempt(self, job: Job, attempt: int) -> tuple[Outcome, Failure | None]:
         try:
             spec = spec_of(job)
-            from clusterfit.launch import preflight  # imports torch: kept out of `clusterfit status`
-
-            preflight(spec)
+            preflight(spec)  # again: data can vanish while a job waits in the queue
         except SpecError as exc:
             return Outcome.FAILED, Failure(FailureCause.BAD_SPEC, str(exc))
         env = {**spec.environment_variables, ATTEMPT_ENV: str(attempt)}
@@ -91,7 +90,12 @@ class Supervisor:
         backend = get_backend(spec.resources.backend)
         ooms_before = oom_kill_count()
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
-        handle = backend.submit(spec)
+        try:
+            handle = backend.submit(spec)
+        except SpecError as exc:
+            return Outcome.FAILED, Failure(FailureCause.BAD_SPEC, str(exc))
+        except (OSError, RuntimeError, ValueError) as exc:  # e.g. sbatch refused it, the cluster is unreachable
+            return Outcome.FAILED, Failure(FailureCause.ENGINE, f"{backend.name}: {exc}")
         self.store.update(job.id, engine_ref=dump_json(asdict(handle.ref)))
         try:
             outcome, detail = self._watch(job.id, spec, attempt, handle)
