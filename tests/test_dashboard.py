@@ -127,7 +127,7 @@ def test_dashboard_shows_a_real_job_live(browser_page, tmp_path: Path, no_jobs_l
         long_id = http.post("/api/jobs", json={"spec": yaml.safe_dump(long_job)}).json()["id"]
         page.goto(f"{server.url}/#/jobs/{long_id}")
         expect(page.locator("#cancel")).to_be_visible(timeout=10_000)
-        _wait_for_state(long_id, {"RUNNING"}, timeout=120)
+        _wait_for_state(long_id, {"STAGING", "RUNNING"}, timeout=60)  # its processes are starting or training
         page.once("dialog", lambda dialog: dialog.accept())
         page.click("#cancel")
         expect(page.locator("#job-state")).to_have_text("CANCELLED", timeout=60_000)
