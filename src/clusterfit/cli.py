@@ -25,6 +25,10 @@ app = typer.Typer(
 console = Console(highlight=False)
 errors = Console(stderr=True, highlight=False)
 
+BackendOption = Annotated[
+    Optional[str],  # noqa: UP045 - typer needs Optional here
+    typer.Option("--backend", help="The engine: local, slurm, kubernetes (overrides resources.backend)."),
+]
 SetOption = Annotated[
     Optional[list[str]],  # noqa: UP045 - typer needs Optional here
     typer.Option("--set", help="Override a spec field, e.g. --set trainer.epochs=2 (repeatable)."),
@@ -37,9 +41,10 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _load(spec_file: Path, overrides: list[str] | None) -> JobSpec:
+def _load(spec_file: Path, overrides: list[str] | None, backend: str | None = None) -> JobSpec:
+    overrides = [*(overrides or []), *([f"resources.backend={backend}"] if backend else [])]
     try:
-        spec = load_spec(spec_file, overrides or [])
+        spec = load_spec(spec_file, overrides)
         from clusterfit.launch import preflight  # imports torch: only once the spec itself is valid
 
         preflight(spec)
@@ -52,8 +57,12 @@ def _load(spec_file: Path, overrides: list[str] | None) -> JobSpec:
 def run(
     spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml", help="The job spec.")],
     overrides: SetOption = None,
+    backend_name: BackendOption = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the resolved spec and the worker command; start nothing.")
+        bool,
+        typer.Option(
+            "--dry-run", help="Print what the engine would be given (spec, command, script, manifests); start nothing."
+        ),
     ] = False,
 ) -> None:
     """Run a training job in the foreground: stream every rank's log, show progress, export the model."""
@@ -62,9 +71,12 @@ def run(
     from clusterfit.monitoring.logtail import LOG_DIR
     from clusterfit.monitoring.progress import JobWatch, follow
 
-    spec = _load(spec_file, overrides)
+    spec = _load(spec_file, overrides, backend_name)
     backend = get_backend(spec.resources.backend)
-    rendered = backend.dry_run(spec)
+    try:
+        rendered = backend.dry_run(spec)
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
     if dry_run:
         for path, content in rendered.files.items():
             console.print(f"# {path}", markup=False)
@@ -74,7 +86,10 @@ def run(
         return
     out = Path(spec.outputs.dir)
     watch = JobWatch(out)
-    handle = backend.submit(spec)
+    try:
+        handle = backend.submit(spec)
+    except SpecError as exc:  # the engine refused the job (no sbatch, no kubeconfig, ...)
+        raise _fail(str(exc), 1) from None
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` of the launcher cancels the job like Ctrl-C
     try:
         code = follow(handle, watch, console)
@@ -90,6 +105,9 @@ def run(
             ),
             1,
         )
+    if spec.trainer is None:
+        console.print(f"job {spec.name} finished; every rank's log is in {out / LOG_DIR}", markup=False)
+        return
     _print_summary(out)
 
 
@@ -97,12 +115,12 @@ def run(
 def validate(
     spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml")],
     overrides: SetOption = None,
+    backend_name: BackendOption = None,
 ) -> None:
     """Check a job spec and its data without running anything."""
-    spec = _load(spec_file, overrides)
-    console.print(
-        f"{spec_file}: ok ({spec.trainer.model}, {spec.world_size} worker(s), backend {spec.resources.backend})"
-    )
+    spec = _load(spec_file, overrides, backend_name)
+    what = spec.trainer.model if spec.trainer else f"command, {spec.distribution.type}"
+    console.print(f"{spec_file}: ok ({what}, {spec.world_size} worker(s), backend {spec.resources.backend})")
 
 
 data_app = typer.Typer(
