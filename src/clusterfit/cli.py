@@ -80,7 +80,7 @@ def run(
     if dry_run:
         for path, content in rendered.files.items():
             console.print(f"# {path}", markup=False)
-            console.print(content, markup=False, end="")
+            console.print(content, markup=False, end="", soft_wrap=True)
         console.print(f"# {rendered.backend} backend command", markup=False)
         console.print(rendered.as_text(), markup=False, soft_wrap=True)
         return
