@@ -12,6 +12,8 @@ from clusterfit.worker.manifest import CHECKPOINT_DIR, published, read_manifest
 
 def preflight(spec: JobSpec) -> None:
     """Raise SpecError for data that is missing or too small, and for outputs holding another job's checkpoints."""
+    if spec.resources.backend == "kubernetes":
+        return  # paths name places inside the pods (image, mounted claims), not on this machine
     if spec.trainer is None:
         _check_command_job(spec)
         return

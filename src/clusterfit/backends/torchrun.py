@@ -75,10 +75,11 @@ def worker_env(threads: int) -> dict[str, str]:
     }
 
 
-def worker_argv(spec: JobSpec) -> list[str]:
-    """The program torchrun starts in each worker process: the built-in trainer, or the command-job wrapper."""
+def worker_argv(spec: JobSpec, spec_path: str | None = None) -> list[str]:
+    """The program torchrun starts in each worker process: the built-in trainer, or the command-job wrapper.
+    The resolved spec is read from outputs.dir unless the engine puts it elsewhere (`spec_path`)."""
     module = "clusterfit.worker" if spec.command is None else "clusterfit.worker.command"
-    return ["-m", module, "--spec", str(Path(spec.outputs.dir) / RESOLVED_SPEC)]
+    return ["-m", module, "--spec", spec_path or str(Path(spec.outputs.dir) / RESOLVED_SPEC)]
 
 
 def torchrun_command(
@@ -87,6 +88,7 @@ def torchrun_command(
     python: str = sys.executable,
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
+    spec_path: str | None = None,
 ) -> list[str]:
     """The agent command for one node. Without `rdzv_endpoint` it is a single-node `--standalone` run
     (c10d on a free local port); with it, every node joins the c10d rendezvous hosted at that address."""
@@ -111,5 +113,5 @@ def torchrun_command(
         f"--max-restarts={dist.max_restarts}",
         "--logs-specs=clusterfit",
         f"--log-dir={out / LOG_DIR}",
-        *worker_argv(spec),
+        *worker_argv(spec, spec_path),
     ]

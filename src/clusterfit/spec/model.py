@@ -186,8 +186,8 @@ class SlurmSpec(_Strict):
 class KubernetesSpec(_Strict):
     image: str = Field("clusterfit:cpu", description="the worker image (see the Dockerfile)")
     namespace: str = "default"
-    outputs_claim: str | None = Field(
-        None, description="a ReadWriteMany PersistentVolumeClaim mounted at outputs.dir on every pod"
+    outputs_claim: str = Field(
+        "clusterfit-outputs", description="a ReadWriteMany PersistentVolumeClaim mounted at outputs.dir on every pod"
     )
     data_claim: str | None = Field(None, description="a PersistentVolumeClaim mounted read-only at /data")
     cpu: str = Field("2", description="CPU request and limit per pod")
