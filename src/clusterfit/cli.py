@@ -35,6 +35,9 @@ SetOption = Annotated[
 ]
 
 
+STOPPED_EARLY = 75  # EX_TEMPFAIL: not finished, running it again continues
+
+
 def _fail(message: str, code: int = 2) -> typer.Exit:
     for line in message.splitlines():
         errors.print(f"[red]error:[/red] {escape(line)}", soft_wrap=True)
@@ -105,9 +108,18 @@ def run(
             ),
             1,
         )
-    if spec.trainer is None:
+    if spec.trainer is None or spec.resources.backend == "kubernetes":  # no summary, or it is in the claim
         console.print(f"job {spec.name} finished; every rank's log is in {out / LOG_DIR}", markup=False)
         return
+    from clusterfit.backends.torchrun import RESOLVED_SPEC
+    from clusterfit.worker.summary import SUMMARY_FILE
+
+    summary = out / SUMMARY_FILE
+    # Both files are on the outputs filesystem, so their times come from the same clock, even across nodes.
+    if not summary.exists() or summary.stat().st_mtime < (out / RESOLVED_SPEC).stat().st_mtime:
+        # The workers stopped at a checkpoint on request (SIGUSR1) before the last step.
+        errors.print(f"job {spec.name} stopped at a checkpoint before its end; run it again to resume", markup=False)
+        raise typer.Exit(STOPPED_EARLY)
     _print_summary(out)
 
 
