@@ -88,7 +88,7 @@ def test_a_failing_command_fails_the_job_with_its_exit_code(tmp_path: Path) -> N
     job = command_job(tmp_path / "out", user_code(tmp_path), "echo about to fail; exit 7", processes=1)
     result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
     assert result.returncode == 1
-    assert "job command-pytorch failed" in result.stderr
+    assert "job command-pytorch" in result.stderr and "rank 0 exited with code 7" in result.stderr
     assert "about to fail" in result.stdout
     assert "exitcode  : 7" in (tmp_path / "out" / "logs" / "agent.log").read_text()
 
