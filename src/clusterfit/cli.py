@@ -151,12 +151,13 @@ def _user() -> str:
 def submit(
     spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml", help="The job spec.")],
     overrides: SetOption = None,
+    backend_name: BackendOption = None,
 ) -> None:
     """Check a job on this machine, queue it, and print its id at once; it starts when there is room."""
     from clusterfit.service.records import record_job
     from clusterfit.service.scheduler import schedule
 
-    spec = _load(spec_file, overrides)
+    spec = _load(spec_file, overrides, backend_name)
     store = _store()
     job = record_job(store, spec, owner=_user())
     schedule(store)
