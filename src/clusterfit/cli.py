@@ -27,11 +27,17 @@ app = typer.Typer(
 console = Console(highlight=False)
 errors = Console(stderr=True, highlight=False)
 
+BackendOption = Annotated[
+    Optional[str],  # noqa: UP045 - typer needs Optional here
+    typer.Option("--backend", help="The engine: local, slurm, kubernetes (overrides resources.backend)."),
+]
 SetOption = Annotated[
     Optional[list[str]],  # noqa: UP045 - typer needs Optional here
     typer.Option("--set", help="Override a spec field, e.g. --set trainer.epochs=2 (repeatable)."),
 ]
 
+
+STOPPED_EARLY = 75  # EX_TEMPFAIL: not finished, running it again continues
 
 ServerOption = Annotated[
     Optional[str],  # noqa: UP045 - typer needs Optional here
@@ -51,9 +57,10 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def _load(spec_file: Path, overrides: list[str] | None) -> JobSpec:
+def _load(spec_file: Path, overrides: list[str] | None, backend: str | None = None) -> JobSpec:
+    overrides = [*(overrides or []), *([f"resources.backend={backend}"] if backend else [])]
     try:
-        spec = load_spec(spec_file, overrides or [])
+        spec = load_spec(spec_file, overrides)
         from clusterfit.launch import preflight  # imports torch: only once the spec itself is valid
 
         preflight(spec)
@@ -66,8 +73,12 @@ def _load(spec_file: Path, overrides: list[str] | None) -> JobSpec:
 def run(
     spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml", help="The job spec.")],
     overrides: SetOption = None,
+    backend_name: BackendOption = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the resolved spec and the worker command; start nothing.")
+        bool,
+        typer.Option(
+            "--dry-run", help="Print what the engine would be given (spec, command, script, manifests); start nothing."
+        ),
     ] = False,
 ) -> None:
     """Run a training job in the foreground: stream every rank's log, show progress, export the model.
@@ -75,13 +86,16 @@ def run(
     The job is recorded like a submitted one (`clusterfit status/logs/show` work on it); Ctrl-C cancels it."""
     from clusterfit.backends import get_backend
 
-    spec = _load(spec_file, overrides)
+    spec = _load(spec_file, overrides, backend_name)
     backend = get_backend(spec.resources.backend)
     if dry_run:
-        rendered = backend.dry_run(spec)
+        try:
+            rendered = backend.dry_run(spec)
+        except SpecError as exc:
+            raise _fail(str(exc)) from None
         for path, content in rendered.files.items():
             console.print(f"# {path}", markup=False)
-            console.print(content, markup=False, end="")
+            console.print(content, markup=False, end="", soft_wrap=True)
         console.print(f"# {rendered.backend} backend command", markup=False)
         console.print(rendered.as_text(), markup=False, soft_wrap=True)
         return
@@ -101,7 +115,7 @@ def run(
         final = Supervisor(store, job.id, poll_s=0.2, on_tick=view.tick, log=say).run()
     schedule(store)  # the machine is free again for queued jobs
     if final.job_state is JobState.SUCCEEDED:
-        _print_summary(out)
+        _print_result(spec, out)
         return
     if final.job_state is JobState.CANCELLED:
         errors.print(f"job {job.id} cancelled; every worker stopped")
@@ -116,6 +130,22 @@ def run(
         ),
         1,
     )
+
+
+def _print_result(spec: JobSpec, out: Path) -> None:
+    from clusterfit.backends.torchrun import RESOLVED_SPEC
+    from clusterfit.worker.summary import SUMMARY_FILE
+
+    if spec.trainer is None or spec.resources.backend == "kubernetes":  # no summary, or it is in the claim
+        console.print(f"job {spec.name} finished; every rank's log is in {out / 'logs'}", markup=False)
+        return
+    summary = out / SUMMARY_FILE
+    # Both files are on the outputs filesystem, so their times come from the same clock, even across nodes.
+    if not summary.exists() or summary.stat().st_mtime < (out / RESOLVED_SPEC).stat().st_mtime:
+        # The workers stopped at a checkpoint on request (SIGUSR1) before the last step.
+        errors.print(f"job {spec.name} stopped at a checkpoint before its end; run it again to resume", markup=False)
+        raise typer.Exit(STOPPED_EARLY)
+    _print_summary(out)
 
 
 def _store():  # noqa: ANN202 - the type lives in a module imported on demand
@@ -144,6 +174,7 @@ def _remote(server: str, token: str | None):  # noqa: ANN202
 def submit(
     spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml", help="The job spec.")],
     overrides: SetOption = None,
+    backend_name: BackendOption = None,
     server: ServerOption = None,
     token: TokenOption = None,
 ) -> None:
@@ -154,11 +185,12 @@ def submit(
     from clusterfit.service.scheduler import schedule
 
     if server:
+        remote_overrides = [*(overrides or []), *([f"resources.backend={backend_name}"] if backend_name else [])]
         with _remote(server, token) as client:
-            console.print(client.submit(spec_file, overrides)["id"], markup=False)
+            console.print(client.submit(spec_file, remote_overrides)["id"], markup=False)
         return
 
-    spec = _load(spec_file, overrides)
+    spec = _load(spec_file, overrides, backend_name)
     store = _store()
     job = record_job(store, spec, owner=_user())
     schedule(store)
@@ -465,12 +497,12 @@ def token_revoke(token_id: Annotated[int, typer.Argument(metavar="ID", help="The
 def validate(
     spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml")],
     overrides: SetOption = None,
+    backend_name: BackendOption = None,
 ) -> None:
     """Check a job spec and its data without running anything."""
-    spec = _load(spec_file, overrides)
-    console.print(
-        f"{spec_file}: ok ({spec.trainer.model}, {spec.world_size} worker(s), backend {spec.resources.backend})"
-    )
+    spec = _load(spec_file, overrides, backend_name)
+    what = spec.trainer.model if spec.trainer else f"command, {spec.distribution.type}"
+    console.print(f"{spec_file}: ok ({what}, {spec.world_size} worker(s), backend {spec.resources.backend})")
 
 
 data_app = typer.Typer(

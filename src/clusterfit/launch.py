@@ -12,6 +12,11 @@ from clusterfit.worker.manifest import CHECKPOINT_DIR, published, read_manifest
 
 def preflight(spec: JobSpec) -> None:
     """Raise SpecError for data that is missing or too small, and for outputs holding another job's checkpoints."""
+    if spec.resources.backend == "kubernetes":
+        return  # paths name places inside the pods (image, mounted claims), not on this machine
+    if spec.trainer is None:
+        _check_command_job(spec)
+        return
     facts = inspect_data(spec.trainer.data, spec.storage)
     if facts.train_images is not None:  # data at a URL is counted by the workers, once staged
         steps_per_epoch(spec.trainer, facts, spec.world_size)
@@ -25,3 +30,8 @@ def preflight(spec: JobSpec) -> None:
                 f"outputs.dir = {spec.outputs.dir!r} holds checkpoints of another model ({'; '.join(clashes)}); "
                 "choose a new outputs.dir, or move the old one away to start over"
             )
+
+
+def _check_command_job(spec: JobSpec) -> None:
+    if spec.code is not None and not Path(spec.code).is_dir():
+        raise SpecError(f"code = {spec.code!r}: no such folder; give the folder holding your script (or remove code)")

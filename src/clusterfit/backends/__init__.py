@@ -8,6 +8,8 @@ from clusterfit.backends.base import Backend, EngineRef, EngineStatus, Rendered,
 
 _REGISTRY = {
     "local": "clusterfit.backends.local:LocalBackend",
+    "slurm": "clusterfit.backends.slurm:SlurmBackend",
+    "kubernetes": "clusterfit.backends.kubernetes:KubernetesBackend",
 }
 
 

@@ -16,9 +16,11 @@ from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.torchrun import (
     RESOLVED_SPEC,
     resolved_spec_text,
+    ship_code,
     storage_secret_env,
     threads_per_worker,
     torchrun_command,
+    with_shipped_code,
     worker_env,
 )
 from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
@@ -36,12 +38,13 @@ class LocalBackend:
             backend=self.name,
             command=torchrun_command(spec),
             env={**worker_env(threads), **spec.environment_variables},
-            files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(spec)},
+            files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(with_shipped_code(spec))},
             secret_env=storage_secret_env(spec),
         )
 
     def submit(self, spec: JobSpec) -> LocalRun:
         rendered = self.dry_run(spec)
+        ship_code(spec)
         for path, content in rendered.files.items():
             _write_atomically(Path(path), content)
         log_dir = Path(spec.outputs.dir) / LOG_DIR

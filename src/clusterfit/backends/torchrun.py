@@ -6,6 +6,7 @@ RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT environment that torc
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from clusterfit.spec.model import JobSpec
 RESOLVED_SPEC = "job.yaml"
 STORAGE_SAS_TOKEN_ENV = "CLUSTERFIT_STORAGE_SAS_TOKEN"  # read by clusterfit.data.staging in the workers
 RDZV_PORT = 29400  # torchrun's default c10d port on the first node
+CODE_DIR = "code"  # a command job's `code`, copied under outputs.dir at submission
 
 
 def threads_per_worker(processes: int, cores: int | None = None) -> int:
@@ -27,6 +29,33 @@ def threads_per_worker(processes: int, cores: int | None = None) -> int:
 
 def resolved_spec_text(spec: JobSpec) -> str:
     return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
+
+
+def with_shipped_code(spec: JobSpec) -> JobSpec:
+    """The spec the workers read: a command job's `code` is its copy in outputs.dir, on every node."""
+    if spec.code is None:
+        return spec
+    return spec.model_copy(update={"code": str(Path(spec.outputs.dir).resolve() / CODE_DIR)})
+
+
+def ship_code(spec: JobSpec) -> None:
+    """Copy a command job's `code` folder into outputs.dir/code: the job runs the code as it was at submission,
+    and engines whose outputs.dir is on a shared filesystem find it on every node."""
+    if spec.code is None:
+        return
+    outputs = Path(spec.outputs.dir).resolve()
+    target = outputs / CODE_DIR
+    staging = target.with_name(f".{CODE_DIR}.tmp")
+    skipped_names = shutil.ignore_patterns(".git", "__pycache__", ".venv")
+
+    def skipped(folder: str, names: list[str]) -> set[str]:
+        # `code: .` with outputs.dir inside it must not copy the outputs (and the copy) into itself.
+        return set(skipped_names(folder, names)) | {name for name in names if Path(folder, name).resolve() == outputs}
+
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(spec.code, staging, ignore=skipped, symlinks=True)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
 
 
 def storage_secret_env(spec: JobSpec) -> dict[str, str]:
@@ -46,9 +75,11 @@ def worker_env(threads: int) -> dict[str, str]:
     }
 
 
-def worker_argv(spec: JobSpec) -> list[str]:
-    """The program torchrun starts in each worker process."""
-    return ["-m", "clusterfit.worker", "--spec", str(Path(spec.outputs.dir) / RESOLVED_SPEC)]
+def worker_argv(spec: JobSpec, spec_path: str | None = None) -> list[str]:
+    """The program torchrun starts in each worker process: the built-in trainer, or the command-job wrapper.
+    The resolved spec is read from outputs.dir unless the engine puts it elsewhere (`spec_path`)."""
+    module = "clusterfit.worker" if spec.command is None else "clusterfit.worker.command"
+    return ["-m", module, "--spec", spec_path or str(Path(spec.outputs.dir) / RESOLVED_SPEC)]
 
 
 def torchrun_command(
@@ -57,6 +88,7 @@ def torchrun_command(
     python: str = sys.executable,
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
+    spec_path: str | None = None,
 ) -> list[str]:
     """The agent command for one node. Without `rdzv_endpoint` it is a single-node `--standalone` run
     (c10d on a free local port); with it, every node joins the c10d rendezvous hosted at that address."""
@@ -81,5 +113,5 @@ def torchrun_command(
         f"--max-restarts={dist.max_restarts}",
         "--logs-specs=clusterfit",
         f"--log-dir={out / LOG_DIR}",
-        *worker_argv(spec),
+        *worker_argv(spec, spec_path),
     ]

@@ -124,8 +124,10 @@ class Supervisor:
             beats = read_heartbeats(outputs, attempt)
             for record in metrics.read_new():
                 progress.update(_progress_fields(record))
-            if not running and any(beat.phase != "staging" for beat in beats.values()):
-                self.store.transition(job_id, JobState.RUNNING, f"attempt {attempt}: training started")
+            # A command job writes no heartbeats: it runs as soon as its engine has it.
+            if not running and (spec.command is not None or any(beat.phase != "staging" for beat in beats.values())):
+                started = "command started" if spec.command is not None else "training started"
+                self.store.transition(job_id, JobState.RUNNING, f"attempt {attempt}: {started}")
                 running = True
             now = time.time()
             if code is not None or now - recorded_at >= _RECORD_EVERY_S:

@@ -165,14 +165,41 @@ class StorageSpec(_Strict):
 
 
 class DistributionSpec(_Strict):
-    type: Literal["pytorch"] = "pytorch"
+    type: Literal["pytorch", "mpi", "tensorflow"] = Field(
+        "pytorch",
+        description="the environment a command job's processes see: torchrun's (pytorch), OMPI_*/PMI_* (mpi), "
+        "TF_CONFIG (tensorflow); the built-in trainer needs pytorch",
+    )
     process_count_per_instance: int = Field(1, ge=1, le=1024)
     max_restarts: int = Field(0, ge=0, description="times torchrun restarts all workers after a failure")
 
 
+class SlurmSpec(_Strict):
+    partition: str | None = Field(None, description="sbatch --partition; null = the cluster's default")
+    time_limit_minutes: int | None = Field(None, ge=1, description="sbatch --time; null = the partition's limit")
+    checkpoint_signal_seconds: int = Field(
+        120, ge=10, description="SIGUSR1 this long before the time limit: the trainer checkpoints and the job requeues"
+    )
+    extra_sbatch_args: list[str] = Field(default_factory=list, description="more #SBATCH lines, e.g. --account=x")
+
+
+class KubernetesSpec(_Strict):
+    image: str = Field("clusterfit:cpu", description="the worker image (see the Dockerfile)")
+    namespace: str = "default"
+    outputs_claim: str = Field(
+        "clusterfit-outputs", description="a ReadWriteMany PersistentVolumeClaim mounted at outputs.dir on every pod"
+    )
+    data_claim: str | None = Field(None, description="a PersistentVolumeClaim mounted read-only at /data")
+    cpu: str = Field("2", description="CPU request and limit per pod")
+    memory: str = Field("8Gi", description="memory request and limit per pod")
+
+
 class ResourcesSpec(_Strict):
-    instance_count: int = Field(1, ge=1)
-    backend: Literal["local"] = "local"
+    instance_count: int = Field(1, ge=1, description="nodes; torchrun's agent runs once on each")
+    backend: Literal["local", "slurm", "kubernetes"] = "local"
+    gpus_per_instance: int = Field(0, ge=0, description="GPUs per node (Slurm --gpus-per-node, nvidia.com/gpu)")
+    slurm: SlurmSpec = SlurmSpec()
+    kubernetes: KubernetesSpec = KubernetesSpec()
 
 
 class OutputsSpec(_Strict):
@@ -198,7 +225,9 @@ class QueueSettingsSpec(_Strict):
 class JobSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     description: str | None = None
-    trainer: TrainerSpec
+    trainer: TrainerSpec | None = None
+    command: str | None = Field(None, min_length=1, description="a user program instead of the built-in trainer")
+    code: str | None = Field(None, description="a command job's folder, copied to outputs.dir/code; its cwd")
     distribution: DistributionSpec = DistributionSpec()
     resources: ResourcesSpec = ResourcesSpec()
     outputs: OutputsSpec
@@ -210,8 +239,24 @@ class JobSpec(_Strict):
     queue_settings: QueueSettingsSpec = QueueSettingsSpec()
 
     @model_validator(mode="after")
+    def _trainer_or_command(self) -> JobSpec:
+        if (self.trainer is None) == (self.command is None):
+            raise ValueError(
+                "a job has either trainer: (the built-in trainer) or command: (your own program), "
+                + ("not both; remove one" if self.trainer else "and this one has neither; add one")
+            )
+        if self.trainer is not None and self.code is not None:
+            raise ValueError("code is only for command jobs; remove it, or replace trainer: with command:")
+        if self.trainer is not None and self.distribution.type != "pytorch":
+            raise ValueError(
+                f"distribution.type = {self.distribution.type!r}: the built-in trainer runs as pytorch; "
+                "set distribution.type: pytorch"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _pipeline_fits_the_workers(self) -> JobSpec:
-        options = self.trainer.strategy_options
+        options = self.trainer.strategy_options if self.trainer else None
         if isinstance(options, PipelineOptions) and self.world_size % options.stages:
             raise ValueError(
                 f"trainer.strategy_options.stages = {options.stages} does not divide the {self.world_size} workers; "

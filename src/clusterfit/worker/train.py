@@ -33,6 +33,7 @@ from clusterfit.worker.manifest import CHECKPOINT_DIR
 from clusterfit.worker.optim import build_optimizer, build_schedule, scaled_lr
 from clusterfit.worker.parallel import Strategy, parallelize
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
+from clusterfit.worker.stop_signal import StoppedForRequeue, StopSignal
 from clusterfit.worker.summary import write_summary
 
 log = logging.getLogger("clusterfit.train")
@@ -143,6 +144,7 @@ class Trainer:
             env=env,
         )
         self.sinks = open_metric_sinks(self.out, env.is_main)
+        self.stop_signal = StopSignal(env, self.device)
         self.heartbeat = Heartbeat(self.out, env.rank, spec.limits.hang_timeout, self.cfg.batch_size)
         self.fault = fault_from_env()
 
@@ -175,14 +177,20 @@ class Trainer:
                 "time": time.time(),
             }
         )
-        while progress.epoch < cfg.epochs:
-            record = self._train_epoch()
-            if self.val_loader is not None:
-                self.heartbeat.beat("validating", progress.global_step, force=True)
-                record.update(self._validate())
-            progress.history.append(record)
-            progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
-            self._save_checkpoint()
+        try:
+            while progress.epoch < cfg.epochs:
+                record = self._train_epoch()
+                if self.val_loader is not None:
+                    self.heartbeat.beat("validating", progress.global_step, force=True)
+                    record.update(self._validate())
+                progress.history.append(record)
+                progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
+                self._save_checkpoint()
+        except StoppedForRequeue:
+            if self.env.is_main:
+                log.info("stopped at step %d on request; a rerun resumes from its checkpoint", progress.global_step)
+            self.sinks.close()
+            return None
         self.heartbeat.beat("exporting", progress.global_step, force=True)
         peak_memory = self._peak_memory_per_rank()  # measured before export adds its own copies
         full = self.strategy.full_state(self.optimizer)  # collective
@@ -218,6 +226,11 @@ class Trainer:
             if progress.global_step % self.cfg.log_every_steps == 0 or end_of_epoch:
                 self._log_interval(interval)
                 interval = LossMeter()
+                # Checked at log steps only (a collective every step would stall GPUs for one flag), and not at
+                # an epoch's end, which run() checkpoints after validation.
+                if not end_of_epoch and self.stop_signal.agreed():
+                    self._save_checkpoint()
+                    raise StoppedForRequeue
             # The epoch's last step is checkpointed by run(), after validation.
             if every and progress.global_step % every == 0 and not end_of_epoch:
                 self._save_checkpoint()

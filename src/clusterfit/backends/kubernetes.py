@@ -1,0 +1,251 @@
+"""Kubernetes: a Kubeflow `PyTorchJob` (kubeflow.org/v1, training operator) with an elastic policy, so the
+operator runs one pod per node whose container is torchrun's agent, rendezvousing over c10d at the first pod.
+
+Rendered as two manifests: a ConfigMap holding the resolved job.yaml (mounted at /etc/clusterfit) and the
+PyTorchJob. outputs.dir is a ReadWriteMany PersistentVolumeClaim mounted on every pod (logs, checkpoints and
+the model land there); a command job's `code` must be in the image or on a mounted claim."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import PurePosixPath
+from typing import Any
+
+import yaml
+
+from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.torchrun import RDZV_PORT, RESOLVED_SPEC, resolved_spec_text, torchrun_command, worker_env
+from clusterfit.spec.errors import SpecError
+from clusterfit.spec.model import JobSpec
+
+GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+WORKDIR = "/workspace"  # the image's WORKDIR: relative paths in the spec resolve here, as on a laptop
+SPEC_DIR = "/etc/clusterfit"
+DATA_MOUNT = "/data"
+_CONTAINER = "pytorch"  # the training operator finds the training container by this name
+_POLL_EVERY_S = 2.0
+
+
+def resource_name(job_name: str) -> str:
+    """A DNS-1123 name (lower case, digits, '-') from the job's name."""
+    return re.sub(r"[^a-z0-9-]+", "-", job_name.lower()).strip("-")[:50] or "clusterfit"
+
+
+def _in_pod(path: str) -> str:
+    return str(PurePosixPath(path) if PurePosixPath(path).is_absolute() else PurePosixPath(WORKDIR, path))
+
+
+def _cores(cpu: str) -> int:
+    """Whole cores in a Kubernetes CPU quantity ("4", "500m", "1.5")."""
+    return int(cpu[:-1]) // 1000 if cpu.endswith("m") else int(float(cpu))
+
+
+def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
+    if spec.storage.sas_token is not None:
+        raise SpecError(
+            "storage.sas_token cannot be handed to Kubernetes pods yet; put the token in a Secret and set "
+            "AZURE_STORAGE_SAS_TOKEN from it in your image, or use a workload identity"
+        )
+    k8s, res = spec.resources.kubernetes, spec.resources
+    name, nodes = resource_name(spec.name), res.instance_count
+    nproc = spec.distribution.process_count_per_instance
+    labels = {"app.kubernetes.io/managed-by": "clusterfit", "clusterfit/job": name}
+    spec_path = f"{SPEC_DIR}/{RESOLVED_SPEC}"
+    # NOTE: the operator names the first worker's pod and its Service `<job>-worker-0`.
+    command = torchrun_command(
+        spec, python="python", rdzv_endpoint=f"{name}-worker-0:{RDZV_PORT}", run_id=name, spec_path=spec_path
+    )
+    threads = max(1, _cores(k8s.cpu) // nproc)
+    env = {**worker_env(threads), **spec.environment_variables}
+    quantities = {"cpu": k8s.cpu, "memory": k8s.memory}
+    if res.gpus_per_instance:
+        quantities["nvidia.com/gpu"] = str(res.gpus_per_instance)
+    mounts = [
+        {"name": "job-spec", "mountPath": SPEC_DIR, "readOnly": True},
+        {"name": "outputs", "mountPath": _in_pod(spec.outputs.dir)},
+        {"name": "dshm", "mountPath": "/dev/shm"},  # DataLoader workers pass batches through shared memory
+    ]
+    volumes: list[dict[str, Any]] = [
+        {"name": "job-spec", "configMap": {"name": f"{name}-spec"}},
+        {"name": "outputs", "persistentVolumeClaim": {"claimName": k8s.outputs_claim}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+    ]
+    if k8s.data_claim:
+        mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": k8s.data_claim, "readOnly": True}})
+    container = {
+        "name": _CONTAINER,
+        "image": k8s.image,
+        "imagePullPolicy": "IfNotPresent",
+        "workingDir": WORKDIR,
+        "command": command,
+        "env": [{"name": key, "value": value} for key, value in sorted(env.items())],
+        "ports": [{"name": "c10d", "containerPort": RDZV_PORT}],
+        "resources": {"requests": quantities, "limits": quantities},
+        "volumeMounts": mounts,
+    }
+    config_map = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": f"{name}-spec", "namespace": k8s.namespace, "labels": labels},
+        "data": {RESOLVED_SPEC: resolved_spec_text(spec)},
+    }
+    job = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": labels},
+        "spec": {
+            "elasticPolicy": {
+                "rdzvBackend": "c10d",
+                "rdzvPort": RDZV_PORT,
+                "minReplicas": nodes,
+                "maxReplicas": nodes,
+                "maxRestarts": spec.distribution.max_restarts,
+                "nProcPerNode": nproc,
+            },
+            "pytorchReplicaSpecs": {
+                "Worker": {
+                    "replicas": nodes,
+                    # torchrun restarts its workers itself (max_restarts); a failed pod fails the job.
+                    "restartPolicy": "Never",
+                    "template": {
+                        "metadata": {"labels": labels},
+                        "spec": {"containers": [container], "volumes": volumes},
+                    },
+                }
+            },
+            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
+        },
+    }
+    return [config_map, job]
+
+
+class _ManifestDumper(yaml.SafeDumper):
+    """Plain YAML as people write manifests: no &anchors for repeated values, multi-line strings as blocks."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def _text_block(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_ManifestDumper.add_representer(str, _text_block)
+
+
+def manifests_text(manifests: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(manifests, Dumper=_ManifestDumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+class KubernetesBackend:
+    name = "kubernetes"
+
+    def dry_run(self, spec: JobSpec) -> Rendered:
+        manifests_file = f"{resource_name(spec.name)}.k8s.yaml"
+        return Rendered(
+            backend=self.name,
+            # What `submit` does through the API, as the command a user would type with the manifests saved.
+            command=["kubectl", "apply", "-f", manifests_file],
+            files={manifests_file: manifests_text(render_manifests(spec))},
+        )
+
+    def submit(self, spec: JobSpec) -> KubernetesRun:
+        config_map, job = render_manifests(spec)
+        core, custom = _clients()
+        namespace = spec.resources.kubernetes.namespace
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            core.create_namespaced_config_map(namespace, config_map)
+            custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
+        except ApiException as exc:
+            raise SpecError(f"the Kubernetes API refused the job: {exc.status} {exc.reason}") from None
+        return KubernetesRun(EngineRef(self.name, job["metadata"]["name"], {"namespace": namespace}), self)
+
+    def status(self, ref: EngineRef) -> EngineStatus:
+        from kubernetes.client.exceptions import ApiException
+
+        _, custom = _clients()
+        try:
+            job = custom.get_namespaced_custom_object(GROUP, VERSION, ref.extra["namespace"], PLURAL, ref.id)
+        except ApiException as exc:
+            if exc.status == 404:
+                return EngineStatus("gone")
+            raise
+        return job_status(job)
+
+    def cancel(self, ref: EngineRef) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        core, custom = _clients()
+        namespace = ref.extra["namespace"]
+        for delete in (
+            lambda: custom.delete_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, ref.id, propagation_policy="Foreground"
+            ),
+            lambda: core.delete_namespaced_config_map(f"{ref.id}-spec", namespace),
+        ):
+            try:
+                delete()
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+
+
+def job_status(job: dict[str, Any]) -> EngineStatus:
+    """The PyTorchJob's last condition: Succeeded or Failed end it; anything else is still running."""
+    conditions = (job.get("status") or {}).get("conditions") or []
+    done = {c["type"]: c for c in conditions if c.get("status") == "True" and c["type"] in ("Succeeded", "Failed")}
+    if "Succeeded" in done:
+        return EngineStatus("exited", 0)
+    if "Failed" in done:
+        return EngineStatus("exited", 1)
+    return EngineStatus("running")
+
+
+def _clients() -> tuple[Any, Any]:
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        raise SpecError(
+            "the kubernetes backend needs the kubernetes client: pip install 'clusterfit[kubernetes]'"
+        ) from None
+    try:
+        config.load_kube_config()
+    except Exception as exc:  # the client raises ConfigException, FileNotFoundError, TypeError ...
+        raise SpecError(
+            f"no usable kubeconfig ({exc}); point KUBECONFIG at your cluster's config, or use --dry-run to print "
+            "the manifests for kubectl apply"
+        ) from None
+    return client.CoreV1Api(), client.CustomObjectsApi()
+
+
+class KubernetesRun:
+    def __init__(self, ref: EngineRef, backend: KubernetesBackend) -> None:
+        self.ref = ref
+        self._backend = backend
+        self._checked_at = 0.0
+        self._code: int | None = None
+
+    def poll(self) -> int | None:
+        now = time.monotonic()
+        if self._code is None and now - self._checked_at >= _POLL_EVERY_S:
+            self._checked_at = now
+            status = self._backend.status(self.ref)
+            if status.state != "running":
+                self._code = status.exit_code if status.exit_code is not None else 1
+        return self._code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"PyTorchJob {self.ref.id} still running after {timeout} s")
+            time.sleep(0.5)
+        return code
+
+    def cancel(self) -> None:
+        self._backend.cancel(self.ref)

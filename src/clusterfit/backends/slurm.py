@@ -1,0 +1,224 @@
+"""Slurm: one sbatch job of `instance_count` nodes; `srun` starts torchrun's agent once per node, and the
+agents meet in a c10d rendezvous on the first node of the allocation.
+
+outputs.dir must be on a filesystem every node shares (each rank writes logs/rank-N.log there, rank 0 the
+checkpoints and the model), and so must `code` of a command job, which is copied into outputs.dir."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.local import _write_atomically
+from clusterfit.backends.torchrun import (
+    RESOLVED_SPEC,
+    resolved_spec_text,
+    ship_code,
+    storage_secret_env,
+    torchrun_command,
+    with_shipped_code,
+    worker_env,
+)
+from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
+from clusterfit.spec.errors import SpecError
+from clusterfit.spec.model import JobSpec
+
+SCRIPT = "slurm/job.sbatch"  # under outputs.dir
+CHECKPOINT_SIGNAL = "USR1"
+_HEAD = "__HEAD_NODE__"  # placeholders the script fills in on the first node at run time
+_PORT = "__RDZV_PORT__"
+_STATUS_EVERY_S = 1.0
+_CANCEL_WAIT_S = 60.0
+# Slurm's job states that will still change; anything else is final.
+_ACTIVE_STATES = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "STOPPED",
+    "SIGNALING",
+    "STAGE_OUT",
+    "RESV_DEL_HOLD",
+    "SPECIAL_EXIT",
+    "PREEMPTED",
+    "UNKNOWN_CONTROLLER_UNREACHABLE",
+}
+
+
+def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
+    """The batch script: what `sbatch` runs on the first node of the allocation."""
+    out = Path(spec.outputs.dir).resolve()
+    res, slurm = spec.resources, spec.resources.slurm
+    nproc = spec.distribution.process_count_per_instance
+    directives = [
+        f"--job-name={spec.name}",
+        f"--nodes={res.instance_count}",
+        "--ntasks-per-node=1",  # one torchrun agent per node; it starts the node's workers
+        "--exclusive",  # the agent's workers share the node's cores (OMP threads = cores / workers)
+        f"--chdir={workdir}",
+        f"--output={out / LOG_DIR / AGENT_LOG}",
+        "--open-mode=append",  # a requeued run adds to the log instead of replacing it
+        "--requeue",
+        # NOTE: B: = only the batch shell; it forwards the signal to the workers and requeues the job after.
+        f"--signal=B:{CHECKPOINT_SIGNAL}@{slurm.checkpoint_signal_seconds}",
+    ]
+    if res.gpus_per_instance:
+        directives.append(f"--gpus-per-node={res.gpus_per_instance}")
+    if slurm.time_limit_minutes:
+        directives.append(f"--time={slurm.time_limit_minutes}")
+    if slurm.partition:
+        directives.append(f"--partition={slurm.partition}")
+    directives += slurm.extra_sbatch_args
+    env = {key: value for key, value in worker_env(1).items() if key != "OMP_NUM_THREADS"}
+    env.update(spec.environment_variables)
+    agent = shlex.join(
+        torchrun_command(spec, python=python, rdzv_endpoint=f"{_HEAD}:{_PORT}", run_id="__JOB_ID__")
+    ).replace(f"{_HEAD}:{_PORT}", '"$head_node:$rdzv_port"')
+    agent = agent.replace("__JOB_ID__", '"$SLURM_JOB_ID"')
+    lines = [
+        "#!/bin/bash",
+        f"# clusterfit job {spec.name}: {res.instance_count} node(s) x {nproc} process(es), written by clusterfit run",
+        *[f"#SBATCH {directive}" for directive in directives],
+        "set -uo pipefail",
+        *[f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())],
+        f"export OMP_NUM_THREADS=$(( ${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} > 0 ? "
+        f"${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} : 1 ))",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f'rdzv_port=$({shlex.quote(python)} -c \'import socket; s = socket.socket(); s.bind(("", 0)); '
+        "print(s.getsockname()[1])')",
+        "# Before the time limit Slurm signals this shell: the workers checkpoint and stop,",
+        "# and the job is requeued to resume from that checkpoint.",
+        "stop_requested=0",
+        f"trap 'stop_requested=1; scancel --signal={CHECKPOINT_SIGNAL} \"$SLURM_JOB_ID\"' {CHECKPOINT_SIGNAL}",
+        # The agent ignores the signal (its default would kill it); the workers it starts set their own handler.
+        f'srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \'trap "" {CHECKPOINT_SIGNAL}; exec "$@"\' agent \\',
+        f"    {agent} &",
+        "agent_pid=$!",
+        "# A trapped signal interrupts `wait` (status > 128) while the agent still runs: wait again.",
+        'while true; do wait "$agent_pid"; code=$?; kill -0 "$agent_pid" 2>/dev/null || break; done',
+        'if [ "$stop_requested" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
+        'exit "$code"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class SlurmBackend:
+    name = "slurm"
+
+    def dry_run(self, spec: JobSpec) -> Rendered:
+        out = Path(spec.outputs.dir)
+        script = out / SCRIPT
+        return Rendered(
+            backend=self.name,
+            command=["sbatch", "--parsable", str(script.resolve())],
+            files={
+                str(out / RESOLVED_SPEC): resolved_spec_text(with_shipped_code(spec)),
+                str(script): sbatch_script(spec, python=sys.executable, workdir=os.getcwd()),
+            },
+            secret_env=storage_secret_env(spec),
+        )
+
+    def submit(self, spec: JobSpec) -> SlurmRun:
+        if shutil.which("sbatch") is None:
+            raise SpecError("resources.backend = 'slurm' but sbatch is not on PATH; run on a Slurm login node")
+        rendered = self.dry_run(spec)
+        ship_code(spec)
+        for path, content in rendered.files.items():
+            _write_atomically(Path(path), content)
+        (Path(spec.outputs.dir) / LOG_DIR).mkdir(parents=True, exist_ok=True)
+        # sbatch exports the submitting environment to the job (--export=ALL): the secret travels that way.
+        result = subprocess.run(
+            rendered.command, env={**os.environ, **rendered.secret_env}, capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise SpecError(f"sbatch refused the job: {result.stderr.strip() or result.stdout.strip()}")
+        job_id = result.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;cluster"
+        return SlurmRun(EngineRef(self.name, job_id), self)
+
+    def status(self, ref: EngineRef) -> EngineStatus:
+        state, exit_code = job_state(ref.id)
+        if state is None:
+            return EngineStatus("gone")
+        if state in _ACTIVE_STATES:
+            return EngineStatus("running")
+        return EngineStatus("exited", exit_code)
+
+    def cancel(self, ref: EngineRef) -> None:
+        subprocess.run(["scancel", "--full", ref.id], capture_output=True, text=True)
+        deadline = time.monotonic() + _CANCEL_WAIT_S
+        # COMPLETING means processes may still be exiting: wait for the final state.
+        while self.status(ref).state == "running" and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+
+def job_state(job_id: str) -> tuple[str | None, int | None]:
+    """(state, exit code) from `scontrol show job` (the controller keeps finished jobs for MinJobAge), else
+    from `sacct` (only with accounting); (None, None) when neither knows the job."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True)
+    if shown.returncode == 0 and shown.stdout.strip():
+        fields = dict(item.split("=", 1) for item in shown.stdout.split() if "=" in item)
+        return fields.get("JobState"), _exit_code(fields.get("ExitCode", ""), fields.get("JobState", ""))
+    if "invalid job id" not in shown.stderr.lower():
+        # The controller did not answer (restarting, network): the job is not known to be over.
+        return "UNKNOWN_CONTROLLER_UNREACHABLE", None
+    accounted = subprocess.run(
+        ["sacct", "-n", "-X", "-P", "-j", job_id, "-o", "State,ExitCode"], capture_output=True, text=True
+    )
+    line = accounted.stdout.strip().splitlines()[:1] if accounted.returncode == 0 else []
+    if not line:
+        return None, None
+    state, _, code = line[0].partition("|")
+    state = state.split()[0]  # "CANCELLED by 0"
+    return state, _exit_code(code, state)
+
+
+def _exit_code(code: str, state: str) -> int | None:
+    """Slurm's `EXIT:SIGNAL` as a shell would report it; a cancelled job counts as interrupted (130)."""
+    exit_status, _, signal_number = code.partition(":")
+    if state == "CANCELLED":
+        return 130
+    if signal_number and signal_number != "0":
+        return 128 + int(signal_number)
+    return int(exit_status) if exit_status.isdigit() else None
+
+
+class SlurmRun:
+    def __init__(self, ref: EngineRef, backend: SlurmBackend) -> None:
+        self.ref = ref
+        self._backend = backend
+        self._checked_at = 0.0
+        self._code: int | None = None
+
+    def poll(self) -> int | None:
+        # Asking the controller on every follow tick would load it for nothing: once a second is enough.
+        now = time.monotonic()
+        if self._code is None and now - self._checked_at >= _STATUS_EVERY_S:
+            self._checked_at = now
+            status = self._backend.status(self.ref)
+            if status.state == "exited":
+                self._code = status.exit_code if status.exit_code is not None else 1
+            elif status.state == "gone":
+                self._code = 1
+        return self._code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"slurm job {self.ref.id} still running after {timeout} s")
+            time.sleep(0.2)
+        return code
+
+    def cancel(self) -> None:
+        self._backend.cancel(self.ref)

@@ -1,0 +1,113 @@
+"""Command-job worker, started by torchrun on every engine: `python -m clusterfit.worker.command --spec job.yaml`.
+
+It turns torchrun's environment into the one `distribution.type` promises, then replaces itself with the
+user's command (exec), so the command's exit code and the signals torchrun or the engine send reach it
+unchanged.
+
+- pytorch: torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT as is.
+- mpi: also OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE,NODE_RANK} and PMI_RANK / PMI_SIZE.
+- tensorflow: also TF_CONFIG, with one `host:port` per rank that each rank picked and published through a
+  TCPStore at MASTER_ADDR:MASTER_PORT (the store torchrun's rendezvous hands rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+
+from clusterfit.backends.rank_logs import RANK_LOG_ENV
+from clusterfit.spec import load_spec
+
+_EXCHANGE_TIMEOUT = timedelta(minutes=10)
+
+
+def mpi_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Open MPI's and PMI's names for the rank layout torchrun already chose (one process per slot)."""
+    return {
+        "OMPI_COMM_WORLD_RANK": env["RANK"],
+        "OMPI_COMM_WORLD_SIZE": env["WORLD_SIZE"],
+        "OMPI_COMM_WORLD_LOCAL_RANK": env["LOCAL_RANK"],
+        "OMPI_COMM_WORLD_LOCAL_SIZE": env["LOCAL_WORLD_SIZE"],
+        "OMPI_COMM_WORLD_NODE_RANK": env.get("GROUP_RANK", "0"),
+        "PMI_RANK": env["RANK"],
+        "PMI_SIZE": env["WORLD_SIZE"],
+    }
+
+
+def tf_config(workers: list[str], index: int) -> str:
+    """TF_CONFIG for MultiWorkerMirroredStrategy: every rank is a worker; rank 0 is the chief by convention."""
+    return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+
+
+def reachable_address(peer_host: str, peer_port: int) -> str:
+    """This host's address on the interface that routes to the peer (loopback when the peer is local)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer_host, peer_port))  # UDP connect sends nothing; it only picks the route
+        return probe.getsockname()[0]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def exchange_addresses(env: Mapping[str, str], mine: str) -> list[str]:
+    """Every rank's `host:port`, in rank order, through the TCPStore rank 0 hosts at MASTER_ADDR:MASTER_PORT."""
+    from torch.distributed import TCPStore
+
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    store = TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0,
+        timeout=_EXCHANGE_TIMEOUT,
+        wait_for_workers=False,
+    )
+    store.set(f"clusterfit/tf/{rank}", mine)
+    addresses = [store.get(f"clusterfit/tf/{other}").decode() for other in range(world_size)]
+    store.add("clusterfit/tf/read", 1)
+    # Rank 0's process hosts the store; it must outlive every other rank's reads, then frees the port.
+    while rank == 0 and store.add("clusterfit/tf/read", 0) < world_size:
+        time.sleep(0.05)
+    return addresses
+
+
+def command_env(kind: str, env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
+    out = {**env, **extra}
+    # NOTE: `python` in a command means the interpreter clusterfit runs on, whatever PATH the engine gave.
+    out["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
+    if kind == "mpi":
+        out.update(mpi_env(env))
+    elif kind == "tensorflow":
+        host = reachable_address(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        workers = exchange_addresses(env, f"{host}:{free_port()}")
+        out["TF_CONFIG"] = tf_config(workers, int(env["RANK"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m clusterfit.worker.command")
+    parser.add_argument("--spec", required=True, help="resolved job spec (YAML) written by the launcher")
+    args = parser.parse_args(argv)
+    if os.environ.get(RANK_LOG_ENV):
+        os.dup2(sys.stdout.fileno(), sys.stderr.fileno())  # as the trainer: stderr into logs/rank-N.log too
+    spec = load_spec(args.spec)
+    assert spec.command is not None, "clusterfit.worker.command runs command jobs only"
+    env = command_env(spec.distribution.type, os.environ, spec.environment_variables)
+    if spec.code is not None:
+        os.chdir(spec.code)
+    sys.stdout.flush()
+    os.execve("/bin/sh", ["/bin/sh", "-c", spec.command], env)
+
+
+if __name__ == "__main__":
+    main()

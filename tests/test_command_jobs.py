@@ -1,0 +1,114 @@
+"""Command jobs: a user's own program instead of the built-in trainer, with the environment contract of its
+`distribution.type`, run for real by torchrun on 2 local processes through the CLI."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, run_cli, tiny_job, write_job
+
+from clusterfit.spec import SpecError, validate_spec
+from clusterfit.worker.command import mpi_env, tf_config
+
+CONTRACT_SCRIPT = REPO / "tests" / "scripts" / "env_contract.py"
+
+
+def command_job(out_dir: Path, code: Path, command: str, kind: str = "pytorch", processes: int = 2) -> dict[str, Any]:
+    return {
+        "name": f"command-{kind}",
+        "command": command,
+        "code": str(code),
+        "environment_variables": {"FROM_SPEC": "yes"},
+        "distribution": {"type": kind, "process_count_per_instance": processes},
+        "resources": {"instance_count": 1, "backend": "local"},
+        "outputs": {"dir": str(out_dir)},
+    }
+
+
+def user_code(root: Path) -> Path:
+    code = root / "src"
+    code.mkdir(parents=True)
+    shutil.copy(CONTRACT_SCRIPT, code / CONTRACT_SCRIPT.name)
+    return code
+
+
+def rank_logs(out_dir: Path) -> str:
+    return "\n".join(path.read_text() for path in sorted((out_dir / "logs").glob("rank-*.log")))
+
+
+def test_a_job_is_a_trainer_or_a_command_never_both_or_neither(tmp_path: Path) -> None:
+    both = {**tiny_job(tmp_path), "command": "python x.py"}
+    with pytest.raises(SpecError, match="either trainer: .* or command: .*not both"):
+        validate_spec(both)
+    neither = {key: value for key, value in tiny_job(tmp_path).items() if key != "trainer"}
+    with pytest.raises(SpecError, match="has neither"):
+        validate_spec(neither)
+    mpi_trainer = tiny_job(tmp_path)
+    mpi_trainer["distribution"]["type"] = "mpi"
+    with pytest.raises(SpecError, match="distribution.type = 'mpi'.*set distribution.type: pytorch"):
+        validate_spec(mpi_trainer)
+    with pytest.raises(SpecError, match="code is only for command jobs"):
+        validate_spec({**tiny_job(tmp_path), "code": "."})
+
+
+def test_mpi_and_tensorflow_environment_from_torchrun_layout() -> None:
+    torchrun = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}
+    assert mpi_env(torchrun) == {
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+        "OMPI_COMM_WORLD_NODE_RANK": "1",
+        "PMI_RANK": "3",
+        "PMI_SIZE": "4",
+    }
+    assert tf_config(["10.0.0.1:5000", "10.0.0.2:5001"], 1) == (
+        '{"cluster": {"worker": ["10.0.0.1:5000", "10.0.0.2:5001"]}, "task": {"type": "worker", "index": 1}}'
+    )
+
+
+@pytest.mark.parametrize("kind", ["pytorch", "mpi", "tensorflow"])
+def test_each_distribution_type_gives_its_environment_on_two_local_processes(tmp_path: Path, kind: str) -> None:
+    out = tmp_path / "out"
+    job = command_job(out, user_code(tmp_path), f"python env_contract.py {kind}", kind)
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in range(2):
+        # The script ran in the copy of `code` under outputs.dir, and its output streamed to the console.
+        assert f"env ok: {kind} rank {rank}/2 in code" in rank_logs(out)
+        assert f"[rank{rank}] env ok: {kind} rank {rank}/2 in code" in result.stdout
+    assert (out / "code" / "env_contract.py").exists()
+    assert "finished" in result.stdout
+
+
+def test_a_failing_command_fails_the_job_with_its_exit_code(tmp_path: Path) -> None:
+    job = command_job(tmp_path / "out", user_code(tmp_path), "echo about to fail; exit 7", processes=1)
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 1
+    assert "job command-pytorch" in result.stderr and "rank 0 exited with code 7" in result.stderr
+    assert "about to fail" in result.stdout
+    assert "exitcode  : 7" in (tmp_path / "out" / "logs" / "agent.log").read_text()
+
+
+def test_dry_run_shows_the_command_wrapper_and_the_backend_flag_overrides_the_spec(tmp_path: Path) -> None:
+    job = command_job(tmp_path / "out", user_code(tmp_path), "python env_contract.py mpi", "mpi")
+    path = write_job(tmp_path / "job.yaml", job)
+    result = run_cli("run", str(path), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "-m clusterfit.worker.command --spec" in result.stdout
+    assert f"code: {(tmp_path / 'out' / 'code').resolve()}" in result.stdout
+    wrong = run_cli("run", str(path), "--backend", "nowhere", "--dry-run")
+    assert wrong.returncode == 2
+    assert "resources.backend = 'nowhere'" in wrong.stderr
+    assert "Traceback" not in wrong.stderr
+
+
+def test_a_missing_code_folder_is_one_line(tmp_path: Path) -> None:
+    job = command_job(tmp_path / "out", tmp_path / "nope", "python x.py")
+    result = run_cli("validate", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "code = " in result.stderr and "no such folder" in result.stderr

@@ -1,0 +1,170 @@
+"""The Kubernetes engine's rendering: compared to its expected text, validated against the published PyTorchJob
+CRD schema (jsonschema) and, for the pod and the ConfigMap, against the official `kubernetes` client's models.
+No cluster runs here; submission is checked only for its error without a kubeconfig."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import REPO, cli_command, run_cli, tiny_job, write_job
+from jsonschema import Draft7Validator
+
+from clusterfit.backends.kubernetes import job_status, manifests_text, render_manifests
+from clusterfit.backends.torchrun import resolved_spec_text
+from clusterfit.spec import validate_spec
+
+DATA = REPO / "tests" / "data" / "kubernetes"
+
+
+def _spec(**resources: Any) -> Any:
+    job = tiny_job(Path("runs/tiny"))
+    job["resources"] = {
+        "instance_count": 2,
+        "backend": "kubernetes",
+        "gpus_per_instance": 1,
+        "kubernetes": {"image": "registry.example.com/clusterfit:cuda", "data_claim": "imagenet", "cpu": "8"},
+        **resources,
+    }
+    job["environment_variables"] = {"NCCL_DEBUG": "WARN"}
+    return validate_spec(job)
+
+
+def _closed(schema: Any) -> Any:
+    """The schema as the API server applies it with strict field validation: an object schema with
+    `properties` admits no other keys, unless it says `x-kubernetes-preserve-unknown-fields`."""
+    if isinstance(schema, dict):
+        schema = {key: _closed(value) for key, value in schema.items()}
+        open_ended = "additionalProperties" in schema or schema.get("x-kubernetes-preserve-unknown-fields")
+        if "properties" in schema and not open_ended:
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    return schema
+
+
+def _crd_validator() -> Draft7Validator:
+    (crd,) = yaml.safe_load_all((DATA / "kubeflow.org_pytorchjobs.yaml").read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return Draft7Validator(_closed(version["schema"]["openAPIV3Schema"]))
+
+
+def _model_errors(data: Any, type_name: str, path: str = "") -> list[str]:
+    """Keys and value types that the `kubernetes` client's model `type_name` (e.g. V1PodSpec) does not have."""
+    import kubernetes.client.models as models
+
+    # The client spells containers `List[V1Container]` and `Dict[str, str]` (older releases: list[...], dict(...)).
+    if type_name.lower().startswith("list["):
+        if not isinstance(data, list):
+            return [f"{path}: not a list"]
+        return [error for i, item in enumerate(data) for error in _model_errors(item, type_name[5:-1], f"{path}[{i}]")]
+    if type_name.lower().startswith(("dict[", "dict(")):
+        value_type = type_name[5:-1].split(", ", 1)[1]
+        return [error for key, item in data.items() for error in _model_errors(item, value_type, f"{path}.{key}")]
+    primitive = {"str": str, "int": int, "bool": bool, "float": (int, float)}.get(type_name)
+    if primitive is not None:
+        return [] if isinstance(data, primitive) else [f"{path}: {data!r} is not {type_name}"]
+    if type_name == "object":
+        return []
+    model = getattr(models, type_name)
+    json_to_attr = {json_key: attr for attr, json_key in model.attribute_map.items()}
+    errors = []
+    for key, value in data.items():
+        if key not in json_to_attr:
+            errors.append(f"{path}.{key}: not a field of {type_name}")
+        else:
+            errors += _model_errors(value, model.openapi_types[json_to_attr[key]], f"{path}.{key}")
+    return errors
+
+
+def _deserializes(data: Any, type_name: str) -> Any:
+    """Builds the client's model object, which refuses missing required fields and values of the wrong type."""
+    from kubernetes.client import ApiClient
+
+    return ApiClient().deserialize(json.dumps(data), type_name, "application/json")
+
+
+def _rendered_for_comparison() -> str:
+    """The manifests with the resolved spec left out of the ConfigMap: it lists every spec field, so it would
+    change with each new field; it is compared to the launcher's resolved spec instead."""
+    spec = _spec()
+    config_map, job = render_manifests(spec)
+    assert config_map["data"]["job.yaml"] == resolved_spec_text(spec)
+    config_map["data"]["job.yaml"] = "(the resolved job spec)\n"
+    return manifests_text([config_map, job])
+
+
+def test_manifests_match_the_expected_text() -> None:
+    assert _rendered_for_comparison() == (DATA / "tiny-2-nodes.k8s.yaml").read_text()
+
+
+def test_pytorchjob_validates_against_the_published_crd_schema() -> None:
+    config_map, job = render_manifests(_spec())
+    validator = _crd_validator()
+    assert list(validator.iter_errors(job)) == []
+    # The check has teeth: a misspelt field and a wrong type are both refused.
+    misspelt = copy.deepcopy(job)
+    misspelt["spec"]["elasticPolicy"]["nprocPerNode"] = 2
+    assert any("nprocPerNode" in error.message for error in validator.iter_errors(misspelt))
+    wrong_type = copy.deepcopy(job)
+    wrong_type["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] = "two"
+    assert list(validator.iter_errors(wrong_type))
+
+
+def test_pod_template_and_config_map_are_valid_kubernetes_objects() -> None:
+    config_map, job = render_manifests(_spec())
+    pod_spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert _model_errors(pod_spec, "V1PodSpec") == []
+    assert _model_errors(config_map, "V1ConfigMap") == []
+    assert _deserializes(pod_spec, "V1PodSpec").containers[0].name == "pytorch"
+    assert yaml.safe_load(config_map["data"]["job.yaml"])["name"] == "tiny"
+    typo = copy.deepcopy(pod_spec)
+    typo["containers"][0]["volumeMount"] = []
+    assert _model_errors(typo, "V1PodSpec") == [".containers[0].volumeMount: not a field of V1Container"]
+
+
+def test_the_agent_command_and_resources_follow_the_spec() -> None:
+    _, job = render_manifests(_spec())
+    container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert "--nnodes=2" in container["command"] and "--nproc-per-node=2" in container["command"]
+    assert "--rdzv-endpoint=tiny-worker-0:29400" in container["command"]
+    assert container["command"][-2:] == ["--spec", "/etc/clusterfit/job.yaml"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert {"name": "OMP_NUM_THREADS", "value": "4"} in container["env"]  # 8 cores / 2 processes
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    assert mounts["outputs"] == "/workspace/runs/tiny" and mounts["data"] == "/data"
+
+
+@pytest.mark.parametrize(
+    ("conditions", "state", "code"),
+    [
+        ([], "running", None),
+        ([{"type": "Created", "status": "True"}, {"type": "Running", "status": "True"}], "running", None),
+        ([{"type": "Running", "status": "False"}, {"type": "Succeeded", "status": "True"}], "exited", 0),
+        ([{"type": "Running", "status": "False"}, {"type": "Failed", "status": "True"}], "exited", 1),
+    ],
+)
+def test_job_status_from_the_operator_conditions(conditions: list[dict[str, str]], state: str, code: int) -> None:
+    status = job_status({"status": {"conditions": conditions}})
+    assert (status.state, status.exit_code) == (state, code)
+
+
+def test_dry_run_prints_the_manifests_and_submit_without_kubeconfig_is_refused_in_words(tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "out")
+    path = write_job(tmp_path / "job.yaml", job)
+    dry = run_cli("run", str(path), "--backend", "kubernetes", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "kind: PyTorchJob" in dry.stdout and "kubectl apply -f tiny.k8s.yaml" in dry.stdout
+    no_config = {**os.environ, "KUBECONFIG": str(tmp_path / "no-such-kubeconfig"), "HOME": str(tmp_path)}
+    result = subprocess.run(
+        cli_command("run", str(path), "--backend", "kubernetes"), env=no_config, capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert "no usable kubeconfig" in result.stderr and "Traceback" not in result.stderr, result.stderr

@@ -1,0 +1,174 @@
+"""The Slurm engine: the sbatch script compared to its expected text, then real jobs on a one-node Slurm
+cluster (munged, slurmctld, slurmd) started on localhost for this module, through `clusterfit run`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import REPO, cli_command, exported_weights, run_cli, tiny_job, write_job
+from slurm_cluster import SlurmCluster, missing_reason
+from test_command_jobs import command_job, rank_logs, user_code
+
+from clusterfit.backends.slurm import sbatch_script
+from clusterfit.spec import validate_spec
+
+EXPECTED = REPO / "tests" / "data" / "slurm"
+
+
+def test_sbatch_script_matches_the_expected_text() -> None:
+    job = tiny_job(Path("/shared/runs/tiny"))
+    job["resources"] = {
+        "instance_count": 2,
+        "backend": "slurm",
+        "gpus_per_instance": 4,
+        "slurm": {"partition": "gpu", "time_limit_minutes": 240, "extra_sbatch_args": ["--account=vision"]},
+    }
+    job["environment_variables"] = {"NCCL_DEBUG": "WARN", "GREETING": "hello world"}
+    script = sbatch_script(validate_spec(job), python="/opt/venv/bin/python", workdir="/home/me/project")
+    assert script == (EXPECTED / "tiny-2-nodes.sbatch").read_text()
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    reason = missing_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    saved = os.environ.get("SLURM_CONF")
+    try:
+        cluster.start()
+        os.environ.update(cluster.env)  # the CLI under test and its sbatch/squeue find this cluster
+        yield cluster
+    finally:
+        cluster.stop()
+        if saved is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = saved
+
+
+def _job_ids(slurm: SlurmCluster) -> list[str]:
+    return slurm.run("squeue", "-h", "-o", "%i").stdout.split()
+
+
+def _worker_pids(spec_path: Path) -> list[int]:
+    """Processes whose command line names this job's resolved spec: the agent's workers."""
+    marker = str(spec_path).encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def test_trainer_job_runs_to_completion_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = tiny_job(out)
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--backend", "slurm", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[rank1] " in result.stdout and "exported" in result.stdout  # both ranks' logs streamed
+    assert exported_weights(out)
+    assert "#SBATCH --nodes=1" in (out / "slurm" / "job.sbatch").read_text()
+
+
+def test_command_job_gets_its_environment_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = command_job(out, user_code(tmp_path), "python env_contract.py tensorflow", "tensorflow")
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--backend", "slurm", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in range(2):
+        assert f"env ok: tensorflow rank {rank}/2 in code" in rank_logs(out)
+
+
+def _long_job(out: Path) -> dict:
+    job = tiny_job(out, steps_per_epoch=100_000, norm_layer="group", log_every_steps=1)
+    job["resources"]["backend"] = "slurm"
+    return job
+
+
+def _launch(job_file: Path, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        cli_command("run", str(job_file)),
+        cwd=cwd,
+        env={**os.environ, "COLUMNS": "200"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _wait_for_step(out: Path, launcher: subprocess.Popen[str]) -> None:
+    """Until rank 0 has logged its second step: the workers run and handle signals."""
+    log, deadline = out / "logs" / "rank-0.log", time.monotonic() + 240
+    while not (log.exists() and "step 2/" in log.read_text(errors="replace")):
+        assert launcher.poll() is None, launcher.stdout.read() if launcher.stdout else ""
+        assert time.monotonic() < deadline, "the job never reached its second step"
+        time.sleep(0.2)
+
+
+def _describe(pid: int) -> str:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        return f"{state} {cmdline[:100]}"
+    except OSError:
+        return "gone"
+
+
+def test_cancel_leaves_no_process_and_no_job(slurm: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job_file = write_job(tmp_path / "job.yaml", _long_job(out))
+    launcher = _launch(job_file, tmp_path)
+    try:
+        _wait_for_step(out, launcher)
+        pids = _worker_pids(out / "job.yaml")
+        assert len(pids) >= 3, pids  # the agent and its two workers
+        job_id = _job_ids(slurm)[0]
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C: the launcher cancels the Slurm job and waits
+        output, _ = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, output[-3000:]
+    assert _job_ids(slurm) == []
+    assert "JobState=CANCELLED" in slurm.run("scontrol", "show", "job", job_id).stdout
+    # A zombie (Z) has exited and holds nothing; only its parent has yet to read its status.
+    alive = {pid: state for pid in pids if (state := _describe(pid)) != "gone" and not state.startswith("Z")}
+    assert alive == {}, f"processes left behind: {alive}"
+
+
+def test_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = _long_job(out)
+    job["trainer"]["steps_per_epoch"] = 40
+    launcher = _launch(write_job(tmp_path / "job.yaml", job), tmp_path)
+    try:
+        _wait_for_step(out, launcher)
+        job_id = _job_ids(slurm)[0]
+        # What Slurm does `checkpoint_signal_seconds` before the time limit (--signal=B:USR1@N).
+        assert slurm.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
+        deadline = time.monotonic() + 120
+        while "Restarts=1" not in slurm.run("scontrol", "show", "job", job_id).stdout:
+            assert time.monotonic() < deadline, "the job was not requeued"
+            time.sleep(0.5)
+        # Slurm holds a requeued job for two minutes; release it now.
+        slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output[-3000:]
+    assert "stopped at step" in output and "resuming from" in output
+    stopped = [p.name for p in (out / "checkpoints").iterdir()]
+    assert "step-00000040" in stopped and len(stopped) == 2, stopped  # the requested one, and the end
+    assert exported_weights(out)
