@@ -7,7 +7,9 @@ per step with its wall time; every rank runs with the OMP_NUM_THREADS its launch
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/baselines/ddp_loop.py \
         --model resnet50 --image-size 64 --batch 16 --steps 20
 
-`clusterfit bench train` runs it side by side with clusterfit's trainer.
+`clusterfit bench train` runs it side by side with clusterfit's trainer. With `--no-comm` every rank trains its
+own replica with no DDP wrapper: the same per-rank work on the same shared cores without any communication,
+which is the compute part of a step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--num-classes", type=int, default=1000)
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     parser.add_argument("--no-channels-last", dest="channels_last", action="store_false")
+    parser.add_argument("--no-comm", dest="communicate", action="store_false", help="no DDP: compute only")
     args = parser.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -56,7 +59,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = build_model(args.model, args.num_classes).to(device, memory_format=memory_format)
-    model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    if args.communicate:
+        model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     scaler = torch.amp.GradScaler(device.type, enabled=precision.name == "fp16")
     loss_fn = torch.nn.CrossEntropyLoss()

@@ -9,6 +9,12 @@ channels_last and threads per rank (cores / ranks):
 
 Each system's figure is the median over the steps after `warmup`. Weak-scaling efficiency is
 throughput(n) / (n x throughput(1)); the headline is the ratio clusterfit / hand-written per cell.
+
+The step time is split into compute, communication and data wait. Compute is measured in the same run by the
+hand-written loop with `--no-comm`: the same ranks on the same cores, each training its own replica without DDP.
+Data wait is what clusterfit's trainer measures around its data loader (the hand-written loop reuses one batch).
+Communication is what remains of the step: the part of the collectives that backward did not hide, plus any
+other per-step overhead of the system.
 """
 
 from __future__ import annotations
@@ -80,6 +86,21 @@ class Cell:
     step_images_per_s: list[float]  # every measured step, warm-up included
     images_per_s: float  # median after warm-up
     scaling_efficiency: float | None = None  # throughput(n) / (n x throughput(1)); None without a 1-worker cell
+    split: StepSplit | None = None
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """Median seconds per step after warm-up, and its parts."""
+
+    step_s: float
+    compute_s: float  # the same per-rank work without communication (hand-written loop, --no-comm)
+    data_wait_s: float
+    communication_s: float  # what remains exposed: step - compute - data wait, at least 0
+
+    @classmethod
+    def of(cls, step_s: float, compute_s: float, data_wait_s: float) -> StepSplit:
+        return cls(step_s, compute_s, data_wait_s, max(0.0, step_s - compute_s - data_wait_s))
 
 
 @dataclass
@@ -133,6 +154,22 @@ class TrainBenchReport:
                     f"| {model} | {n} | {ours.threads_per_rank} | {base.images_per_s:.1f} | {ours.images_per_s:.1f} "
                     f"| {self.ratio(model, n):.2f}x | {_eff(base)} | {_eff(ours)} |"
                 )
+        lines += [
+            "",
+            "Step time split (ms, median step after warm-up; compute = the same ranks without communication):",
+            "",
+            "| model | workers | system | step | compute | communication (exposed) | data wait |",
+            "|---|---:|---|---:|---:|---:|---:|",
+        ]
+        for model in c.models:
+            for n in c.workers:
+                for system in SYSTEMS:
+                    split = self.cell(system, model, n).split
+                    if split is not None:
+                        lines.append(
+                            f"| {model} | {n} | {system} | {1000 * split.step_s:.0f} | {1000 * split.compute_s:.0f} "
+                            f"| {1000 * split.communication_s:.0f} | {1000 * split.data_wait_s:.0f} |"
+                        )
         return "\n".join(lines)
 
 
@@ -155,8 +192,15 @@ def median_after_warmup(values: list[float], warmup: int) -> float:
     return statistics.median(values[warmup:])
 
 
-def run_clusterfit(config: TrainBenchConfig, model: str, workers: int, precision: str, workdir: Path) -> list[float]:
-    """Per-step global images/s of `clusterfit run` on synthetic data, from its metrics.jsonl."""
+def run_clusterfit(
+    config: TrainBenchConfig,
+    model: str,
+    workers: int,
+    precision: str,
+    workdir: Path,
+    trainer_settings: dict[str, object] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Per-step global images/s and data-wait seconds of `clusterfit run` on synthetic data, from its metrics."""
     out = workdir / f"clusterfit-{model}-{workers}"
     job = {
         "name": f"bench-{model}-{workers}",
@@ -170,20 +214,27 @@ def run_clusterfit(config: TrainBenchConfig, model: str, workers: int, precision
             "channels_last": config.channels_last,
             "log_every_steps": 1,
             "checkpoint": {"every_steps": None, "keep": 1},
+            **(trainer_settings or {}),
         },
         "distribution": {"type": "pytorch", "process_count_per_instance": workers},
         "resources": {"instance_count": 1, "backend": "local"},
         "outputs": {"dir": str(out)},
     }
+    workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / f"clusterfit-{model}-{workers}.yaml"
     spec.write_text(yaml.safe_dump(job, sort_keys=False))
     _run(f"clusterfit run ({model}, {workers} worker(s))", [sys.executable, "-m", "clusterfit", "run", str(spec)])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r["images_per_s"] for r in records if r.get("kind") == "train"]
+    steps = [r for r in records if r.get("kind") == "train"]
+    global_batch = config.batch * workers
+    return [r["images_per_s"] for r in steps], [r["data_wait"] * global_batch / r["images_per_s"] for r in steps]
 
 
-def run_baseline(config: TrainBenchConfig, model: str, workers: int, precision: str) -> list[float]:
-    """Per-step global images/s of the hand-written loop under torchrun, from rank 0's step times."""
+def run_baseline(
+    config: TrainBenchConfig, model: str, workers: int, precision: str, communicate: bool = True
+) -> list[float]:
+    """Per-step global images/s of the hand-written loop under torchrun, from rank 0's step times; without
+    communication (`--no-comm`) every rank trains its own replica."""
     if not BASELINE_SCRIPT.is_file():
         raise SpecError(
             f"{BASELINE_SCRIPT}: the hand-written baseline is missing; run from a clusterfit source checkout"
@@ -203,11 +254,17 @@ def run_baseline(config: TrainBenchConfig, model: str, workers: int, precision: 
         f"--num-classes={NUM_CLASSES}",
         f"--precision={precision}",
         *([] if config.channels_last else ["--no-channels-last"]),
+        *([] if communicate else ["--no-comm"]),
     ]
     env = {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "PYTHONUNBUFFERED": "1"}
-    stdout = _run(f"hand-written DDP loop ({model}, {workers} worker(s))", command, env)
+    what = "hand-written DDP loop" if communicate else "hand-written loop without communication"
+    stdout = _run(f"{what} ({model}, {workers} worker(s))", command, env)
     steps = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"kind": "step"')]
     return [config.batch * workers / s["seconds"] for s in steps]
+
+
+def _median_seconds(images_per_s: list[float], config: TrainBenchConfig, workers: int) -> float:
+    return median_after_warmup([config.batch * workers / rate for rate in images_per_s], config.warmup)
 
 
 def _run(what: str, command: list[str], env: dict[str, str] | None = None) -> str:
@@ -231,17 +288,25 @@ def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport
         for model in config.models:
             for workers in config.workers:
                 threads = threads_per_worker(workers)
+                compute_only = run_baseline(config, model, workers, precision, communicate=False)
+                compute_s = _median_seconds(compute_only, config, workers)
                 for system in SYSTEMS:
+                    data_wait = [0.0] * config.steps  # the hand-written loop reuses one batch on the device
                     if system == "clusterfit":
-                        steps = run_clusterfit(config, model, workers, precision, Path(tmp))
+                        steps, data_wait = run_clusterfit(config, model, workers, precision, Path(tmp))
                     else:
                         steps = run_baseline(config, model, workers, precision)
-                    if len(steps) != config.steps:
+                    if len(steps) != config.steps or len(compute_only) != config.steps:
                         raise SpecError(
                             f"{system} ({model}, {workers}): {len(steps)} step timings, expected {config.steps}"
                         )
                     median = median_after_warmup(steps, config.warmup)
-                    report.cells.append(Cell(system, model, workers, threads, steps, median))
+                    split = StepSplit.of(
+                        _median_seconds(steps, config, workers),
+                        compute_s,
+                        median_after_warmup(data_wait, config.warmup),
+                    )
+                    report.cells.append(Cell(system, model, workers, threads, steps, median, split=split))
     report.fill_scaling()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / RESULTS_JSON).write_text(json.dumps(report.to_json(), indent=2) + "\n")

@@ -131,7 +131,9 @@ class Trainer:
         self.scheduler = build_schedule(self.optimizer, self.cfg.schedule, self.steps_per_epoch, self.total_steps)
         self.scaler = make_grad_scaler(self.precision, self.device)
 
-        self.store = CheckpointStore(self.out / CHECKPOINT_DIR, self.cfg.checkpoint.keep, env)
+        self.store = CheckpointStore(
+            self.out / CHECKPOINT_DIR, self.cfg.checkpoint.keep, env, async_save=self.cfg.checkpoint.async_save
+        )
         self.progress = Progress()
         self.resumed_from = self._restore()
         self.inputs = InputWatch(
@@ -178,6 +180,7 @@ class Trainer:
             progress.history.append(record)
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
             self._save_checkpoint()
+        self.store.wait()  # the last checkpoint is published before the model is exported
         peak_memory = self._peak_memory_per_rank()  # measured before export adds its own copies
         full = self.strategy.full_state(self.optimizer)  # collective
         summary = self._export(full[0], peak_memory) if full is not None else None
@@ -290,6 +293,7 @@ class Trainer:
         return loaded.path
 
     def _save_checkpoint(self) -> None:
+        started = time.perf_counter()
         self._sync_inputs()
         full = self.strategy.full_state(self.optimizer)  # collective; the state lands on the main rank only
         model_state, optim_state = full if full is not None else ({}, {})
@@ -312,8 +316,13 @@ class Trainer:
             "global_step": self.progress.global_step,
         }
         path = self.store.save(self.progress.global_step, shared, capture_rng(self.device), info)
+        stalled = time.perf_counter() - started  # how long training stood still for this checkpoint
+        self.sinks.write(
+            {"kind": "checkpoint", "step": self.progress.global_step, "stall_s": stalled, "time": time.time()}
+        )
         if self.env.is_main:
-            log.info("checkpoint %s", path)
+            written = "writing in the background" if self.store.async_save else "published"
+            log.info("checkpoint %s %s, training stalled %.3f s", path, written, stalled)
 
     def _peak_memory_per_rank(self) -> list[int]:
         """Collective: each rank's peak memory in bytes (CUDA allocator peak on GPUs, peak RSS on CPUs)."""
