@@ -42,7 +42,7 @@ def test_staging_benchmark_script_against_azurite() -> None:
 def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) -> None:
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "1", "--image-size", "32", "--batch", "2",
-        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path),
+        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--no-ray", "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())
@@ -54,6 +54,7 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) ->
         assert len(cell["step_images_per_s"]) == 3 and cell["images_per_s"] > 0
         assert cell["scaling_efficiency"] == 1.0 and cell["threads_per_rank"] >= 1
     assert [(r["model"], r["workers"]) for r in report["ratios"]] == [("resnet_tiny", 1)]
+    assert set(report["ratios"][0]) == {"model", "workers", "clusterfit_over_hand_written_ddp"}
     assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| resnet_tiny | 1 |" in result.stdout and "clusterfit ÷ hand-written" in result.stdout
     for cell in cells.values():
@@ -65,18 +66,33 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) ->
     assert "| resnet_tiny | 1 | clusterfit |" in result.stdout
 
 
+@pytest.mark.slow  # a local Ray instance starts in about a minute on 2 busy cores
+def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path) -> None:
+    result = run_cli(
+        "bench", "train", "--models", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",
+        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "train.json").read_text())
+    ray = next(c for c in report["cells"] if c["system"] == "Ray Train")
+    assert ray["workers"] == 2 and ray["threads_per_rank"] >= 1 and len(ray["step_images_per_s"]) == 3
+    assert report["ratios"][0]["clusterfit_over_ray_train"] > 0
+    assert "clusterfit ÷ Ray Train" in result.stdout and "| resnet_tiny | 2 | Ray Train |" in result.stdout
+
+
 def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
     from clusterfit.bench.train import Cell, TrainBenchConfig, TrainBenchReport, plot
 
     config = TrainBenchConfig(models=("resnet18",), workers=(1, 2), steps=3, warmup=1)
     report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "fp32")
-    for system, one, two in (("hand-written DDP", 10.0, 19.0), ("clusterfit", 11.0, 16.5)):
+    for system, one, two in (("hand-written DDP", 10.0, 19.0), ("Ray Train", 8.0, 15.0), ("clusterfit", 11.0, 16.5)):
         report.cells += [Cell(system, "resnet18", 1, 2, [one] * 3, one), Cell(system, "resnet18", 2, 1, [two] * 3, two)]
     report.fill_scaling()
     assert report.cell("hand-written DDP", "resnet18", 2).scaling_efficiency == 0.95
     assert report.cell("clusterfit", "resnet18", 2).scaling_efficiency == 0.75
     assert report.ratio("resnet18", 1) == 1.1 and report.ratio("resnet18", 2) == 16.5 / 19.0
-    assert "| resnet18 | 2 | 1 | 19.0 | 16.5 | 0.87x | 0.95 | 0.75 |" in report.markdown()
+    assert report.ratio("resnet18", 2, "Ray Train") == 1.1
+    assert "| resnet18 | 2 | 1 | 19.0 | 15.0 | 16.5 | 0.87x | 1.10x | 0.95 | 0.94 | 0.75 |" in report.markdown()
     plot(report, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").stat().st_size > 1000
 

@@ -190,11 +190,13 @@ def bench_train(
     batch: Annotated[int, typer.Option(min=1, help="Images per rank per step.")] = 16,
     steps: Annotated[int, typer.Option(min=1, help="Training steps per run.")] = 30,
     warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
-    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for both systems.")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for every system.")] = "auto",
+    ray: Annotated[bool, typer.Option(help="Also run the loop under Ray Train's TorchTrainer (the ray extra).")] = True,
     out: Annotated[Path, typer.Option(help="Folder for train.json and train.png.")] = Path("benchmarks/results"),
 ) -> None:
-    """Training images/s of clusterfit vs a hand-written torchrun + DDP loop, per model x worker count, with
-    weak-scaling efficiency; writes JSON and a PNG chart (needs matplotlib: the bench extra)."""
+    """Training images/s of clusterfit vs a hand-written torchrun + DDP loop and the same loop under Ray Train,
+    per model x worker count, with weak-scaling efficiency and the step time split into compute, communication
+    and data wait; writes JSON and a PNG chart (needs matplotlib: the bench extra)."""
     from clusterfit.bench.train import RESULTS_JSON, RESULTS_PNG, TrainBenchConfig, parse_list, run_train_bench
 
     try:
@@ -206,6 +208,7 @@ def bench_train(
             steps=steps,
             warmup=warmup,
             precision=precision,
+            ray=ray,
         )
         report = run_train_bench(config, out)
     except SpecError as exc:

@@ -28,7 +28,7 @@ from clusterfit.worker.evaluate import evaluate
 from clusterfit.worker.export import export_model
 from clusterfit.worker.inputs import InputWatch
 from clusterfit.worker.manifest import CHECKPOINT_DIR
-from clusterfit.worker.optim import build_optimizer, build_schedule, scaled_lr
+from clusterfit.worker.optim import build_optimizer, build_schedule, match_kernel_to_parameters, scaled_lr
 from clusterfit.worker.parallel import Strategy, parallelize
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
 from clusterfit.worker.summary import write_summary
@@ -280,6 +280,7 @@ class Trainer:
         self.strategy.load_full_state(
             self.optimizer, loaded.shared["model"], loaded.shared["optimizer"], self.progress.global_step
         )
+        match_kernel_to_parameters(self.optimizer)
         self.scheduler.load_state_dict(loaded.shared["scheduler"])
         self.scaler.load_state_dict(loaded.shared["scaler"])
         if loaded.own is not None:
