@@ -37,8 +37,8 @@ def match_kernel_to_parameters(optimizer: torch.optim.Optimizer) -> None:
 
 def _fused_kernel_applies(params: list[torch.Tensor]) -> bool:
     """Whether to step all parameters in one fused kernel rather than torch's default.
-    NOTE: torch's default on the CPU is a Python loop over the parameters; the fused kernel steps ResNet-50's
-    25 M parameters about 3x faster there (benchmarks/RESULTS.md). FSDP's sharded parameters (DTensor) keep
+    NOTE: torch's default on the CPU is a Python loop over the parameters; the fused kernel takes half its time
+    for ResNet-50 there (benchmarks/RESULTS.md, the bf16 step profile). FSDP's sharded parameters (DTensor) keep
     the default."""
     from torch.distributed.tensor import DTensor
 
