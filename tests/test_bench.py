@@ -42,7 +42,7 @@ def test_staging_benchmark_script_against_azurite() -> None:
 def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) -> None:
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "1", "--image-size", "32", "--batch", "2",
-        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path),
+        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--no-ray", "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())
@@ -54,8 +54,28 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) ->
         assert len(cell["step_images_per_s"]) == 3 and cell["images_per_s"] > 0
         assert cell["scaling_efficiency"] == 1.0 and cell["threads_per_rank"] >= 1
     assert [(r["model"], r["workers"]) for r in report["ratios"]] == [("resnet_tiny", 1)]
+    assert set(report["ratios"][0]) == {"model", "workers", "clusterfit_over_hand_written_ddp"}
     assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| resnet_tiny | 1 |" in result.stdout and "clusterfit ÷ hand-written" in result.stdout
+    for cell in cells.values():
+        split = cell["split"]
+        assert split["step_s"] > 0 and split["compute_s"] > 0 and split["data_wait_s"] >= 0
+        assert split["communication_s"] == pytest.approx(split["step_s"] - split["compute_s"] - split["data_wait_s"])
+    assert "| resnet_tiny | 1 | clusterfit |" in result.stdout
+
+
+@pytest.mark.slow  # a local Ray instance starts in about a minute on 2 busy cores
+def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path) -> None:
+    result = run_cli(
+        "bench", "train", "--models", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",
+        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "train.json").read_text())
+    ray = next(c for c in report["cells"] if c["system"] == "Ray Train")
+    assert ray["workers"] == 2 and ray["threads_per_rank"] >= 1 and len(ray["step_images_per_s"]) == 3
+    assert report["ratios"][0]["clusterfit_over_ray_train"] > 0
+    assert "clusterfit ÷ Ray Train" in result.stdout and "| resnet_tiny | 2 | Ray Train |" in result.stdout
 
 
 def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
@@ -63,13 +83,14 @@ def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
 
     config = TrainBenchConfig(models=("resnet18",), workers=(1, 2), steps=3, warmup=1)
     report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "fp32")
-    for system, one, two in (("hand-written DDP", 10.0, 19.0), ("clusterfit", 11.0, 16.5)):
+    for system, one, two in (("hand-written DDP", 10.0, 19.0), ("Ray Train", 8.0, 15.0), ("clusterfit", 11.0, 16.5)):
         report.cells += [Cell(system, "resnet18", 1, 2, [one] * 3, one), Cell(system, "resnet18", 2, 1, [two] * 3, two)]
     report.fill_scaling()
     assert report.cell("hand-written DDP", "resnet18", 2).scaling_efficiency == 0.95
     assert report.cell("clusterfit", "resnet18", 2).scaling_efficiency == 0.75
     assert report.ratio("resnet18", 1) == 1.1 and report.ratio("resnet18", 2) == 16.5 / 19.0
-    assert "| resnet18 | 2 | 1 | 19.0 | 16.5 | 0.87x | 0.95 | 0.75 |" in report.markdown()
+    assert report.ratio("resnet18", 2, "Ray Train") == 1.1
+    assert "| resnet18 | 2 | 1 | 19.0 | 15.0 | 16.5 | 0.87x | 1.10x | 0.95 | 0.94 | 0.75 |" in report.markdown()
     plot(report, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").stat().st_size > 1000
 
@@ -102,3 +123,60 @@ def test_bench_peak_refuses_an_unknown_dtype() -> None:
     result = run_cli("bench", "peak", "--dtypes", "fp8")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == ["error: --dtypes: 'fp8' is not one of fp32, bf16, fp16"]
+
+
+def test_bench_ckpt_times_sync_and_async_checkpoints(tmp_path) -> None:
+    result = run_cli(
+        "bench", "ckpt", "--model", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",
+        "--steps", "4", "--every", "2", "--precision", "fp32", "--directory", str(tmp_path / "disk"),
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "ckpt.json").read_text())
+    results = {r["mode"]: r for r in report["results"]}
+    assert list(results) == ["none", "sync", "async"]
+    assert results["none"]["stalls_s"] == []
+    for mode in ("sync", "async"):
+        assert len(results[mode]["stalls_s"]) == 1, "one checkpoint mid-epoch (step 2); step 4 ends the epoch"
+        assert results[mode]["checkpoint_bytes"] > 10_000 and len(results[mode]["step_seconds"]) == 4
+    assert report["async_over_sync_stall"] > 0
+    assert list((tmp_path / "disk").iterdir()) == [], "the runs' checkpoints are removed afterwards"
+    assert "| asynchronous |" in result.stdout and "async stall / sync stall: " in result.stdout
+
+
+def test_bench_comm_measures_allreduce_and_bucket_sizes(tmp_path) -> None:
+    result = run_cli(
+        "bench", "comm", "--workers", "2", "--sizes", "1024,65536", "--repeats", "2", "--model", "resnet_tiny",
+        "--buckets-mb", "1,25", "--image-size", "32", "--batch", "2", "--steps", "2", "--warmup", "1",
+        "--precision", "fp32", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "comm.json").read_text())
+    assert report["backend"] == "gloo" and [r["bytes"] for r in report["allreduce"]] == [1024, 65536]
+    for r in report["allreduce"]:  # 2 ranks: the bus carries 2(n-1)/n = 1x the message
+        assert r["seconds"] > 0 and r["bus_gb_per_s"] == pytest.approx(r["algorithm_gb_per_s"])
+    assert [(b["bucket_cap_mb"], len(b["step_seconds"])) for b in report["buckets"]] == [(1.0, 2), (25.0, 2)]
+    assert "| 64 KiB |" in result.stdout and "| 25 | " in result.stdout
+
+
+def test_bus_bandwidth_of_a_ring_all_reduce() -> None:
+    from clusterfit.bench.comm import bus_bandwidth
+
+    assert bus_bandwidth(1000, 1.0, 2) == 1000.0
+    assert bus_bandwidth(1000, 1.0, 4) == 1500.0
+
+
+@pytest.mark.parametrize(
+    ("command", "message"),
+    [
+        (["ckpt", "--steps", "4", "--every", "4"], "error: --every 4: must be below --steps 4 to checkpoint mid-epoch"),
+        (["ckpt", "--model", "vgg"], "error: --model vgg: unknown model; choose from resnet18,"),
+        (["comm", "--sizes", "2"], "error: --sizes 2: sizes are bytes, at least 4 (one fp32)"),
+        (["comm", "--buckets-mb", "0"], "error: --buckets-mb 0.0: bucket sizes must be above 0"),
+    ],
+)
+def test_bench_ckpt_and_comm_refuse_bad_flags_in_one_line(tmp_path, command: list[str], message: str) -> None:
+    result = run_cli("bench", *command, "--out", str(tmp_path))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), result.stderr

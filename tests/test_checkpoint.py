@@ -86,3 +86,30 @@ def test_rng_state_round_trips() -> None:
     first = torch.rand(4)
     restore_rng(state, CPU)
     assert torch.equal(torch.rand(4), first)
+
+
+def test_async_save_writes_the_state_as_it_was_when_saved(tmp_path: Path) -> None:
+    """Training goes on mutating the weights in place while the background thread writes: the checkpoint must
+    hold the values at the moment of the save, and be published once `wait()` returns."""
+    store = CheckpointStore(tmp_path, keep=2, env=SOLO, async_save=True)
+    weights = torch.full((1000,), 1.0)
+    store.save(7, {"model": {"w": weights}, "progress": {"global_step": 7}}, capture_rng(CPU), {"model": "m"})
+    weights.add_(41.0)  # what the next optimizer step does to a parameter
+    store.wait()
+    loaded = store.load_latest(CPU)
+    assert loaded is not None and loaded.path.name == "step-00000007"
+    assert torch.equal(loaded.shared["model"]["w"], torch.full((1000,), 1.0))
+
+
+def test_failed_async_save_is_reported_and_never_published(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep=2, env=SOLO, async_save=True)
+    _save(store, 1)
+    store.save(2, {"model": {"w": torch.zeros(2)}, "not_a_tensor": lambda: None}, capture_rng(CPU), {})
+    with pytest.raises(RuntimeError, match="asynchronous checkpoint checkpoint-2 failed"):
+        store.wait()
+    assert [p.name for p in store.complete()] == ["step-00000001"]
+    assert store.load_latest(CPU).shared["progress"]["global_step"] == 1
+    store.wait()  # the error is reported once; the store can save again
+    _save(store, 3)
+    store.wait()
+    assert store.load_latest(CPU).shared["progress"]["global_step"] == 3

@@ -97,6 +97,34 @@ def test_killed_job_resumes_to_the_same_weights(tmp_path: Path, straight_run: Pa
     assert steps[-1] == 16
 
 
+def test_async_checkpoints_resume_to_the_same_weights_as_sync_ones(tmp_path: Path, straight_run: Path) -> None:
+    """Checkpoints written in the background by 2 ranks: kill the job after the first one is published, rerun,
+    and reach the weights of the straight run, which saved synchronously."""
+    out = tmp_path / "async"
+    spec = tiny_job(out, **RESUME_SETTINGS)
+    spec["trainer"]["checkpoint"]["async_save"] = True
+    job = write_job(tmp_path / "async.yaml", spec)
+    launcher = subprocess.Popen(
+        cli_command("run", str(job)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    _wait_for_first_checkpoint(out, launcher)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 60
+    while processes_mentioning(str(out)):
+        assert time.monotonic() < deadline, f"orphan processes left: {processes_mentioning(str(out))}"
+        time.sleep(0.2)
+    assert not (out / "summary.json").exists(), "the job must have been stopped before it finished"
+
+    rerun = _run_ok(job)
+    assert "resuming from" in rerun.stdout
+    assert max_abs_difference(exported_weights(out), exported_weights(straight_run)) < 1e-6
+    # The last save of the job was published before the export, like a synchronous one.
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step-00000015", "step-00000016"]
+    stalls = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in stalls if r["kind"] == "checkpoint"][-2:] == [15, 16]
+
+
 def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path) -> None:
     """SIGKILL one worker mid-training: torchrun restarts the group (max_restarts=1), the job resumes from
     its last checkpoint, finishes with the straight run's weights, and the dead attempt's log is kept."""
@@ -183,7 +211,7 @@ def test_imagefolder_end_to_end(tmp_path: Path, tiny_imagefolder: Path) -> None:
         assert f"rank {rank} of 2" in (out / "logs" / f"rank-{rank}.log").read_text()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     kinds = {json.loads(line)["kind"] for line in (out / "metrics.jsonl").read_text().splitlines()}
-    assert kinds == {"start", "train", "val", "end"}
+    assert kinds == {"start", "train", "val", "checkpoint", "end"}
 
 
 def test_synthetic_end_to_end_and_rerun_of_a_finished_job(tmp_path: Path) -> None:

@@ -7,7 +7,9 @@ per step with its wall time; every rank runs with the OMP_NUM_THREADS its launch
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/baselines/ddp_loop.py \
         --model resnet50 --image-size 64 --batch 16 --steps 20
 
-`clusterfit bench train` runs it side by side with clusterfit's trainer.
+`clusterfit bench train` runs it side by side with clusterfit's trainer. With `--no-comm` every rank trains its
+own replica with no DDP wrapper: the same per-rank work on the same shared cores without any communication,
+which is the compute part of a step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,7 +37,7 @@ def build_model(name: str, num_classes: int) -> torch.nn.Module:
     return getattr(torchvision.models, name)(weights=None, num_classes=num_classes)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet50")
     parser.add_argument("--image-size", type=int, default=64)
@@ -43,20 +46,23 @@ def main() -> None:
     parser.add_argument("--num-classes", type=int, default=1000)
     parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
     parser.add_argument("--no-channels-last", dest="channels_last", action="store_false")
-    args = parser.parse_args()
+    parser.add_argument("--no-comm", dest="communicate", action="store_false", help="no DDP: compute only")
+    return parser.parse_args(argv)
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank = dist.get_rank()
+
+def train_steps(
+    args: argparse.Namespace,
+    device: torch.device,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module],
+    on_step: Callable[[int, float], None],
+) -> None:
+    """The measured loop, shared with the Ray Train baseline: `wrap` makes the model data-parallel."""
     precision = resolve_precision(args.precision, device)
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
-
     torch.manual_seed(0)
     model = build_model(args.model, args.num_classes).to(device, memory_format=memory_format)
-    model = DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    if args.communicate:
+        model = wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     scaler = torch.amp.GradScaler(device.type, enabled=precision.name == "fp16")
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -68,18 +74,6 @@ def main() -> None:
         if precision.autocast_dtype is not None
         else contextlib.nullcontext()
     )
-    if rank == 0:
-        print(
-            json.dumps(
-                {
-                    "kind": "start",
-                    "world_size": dist.get_world_size(),
-                    "threads": torch.get_num_threads(),
-                    "precision": precision.name,
-                }
-            ),
-            flush=True,
-        )
     for step in range(1, args.steps + 1):
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -90,9 +84,29 @@ def main() -> None:
         scaler.update()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - started
+        on_step(step, time.perf_counter() - started)
+
+
+def main() -> None:
+    args = parse_args()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank = dist.get_rank()
+    if rank == 0:
+        start = {"kind": "start", "world_size": dist.get_world_size(), "threads": torch.get_num_threads()}
+        print(json.dumps(start), flush=True)
+
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        return DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
+
+    def on_step(step: int, seconds: float) -> None:
         if rank == 0:
             print(json.dumps({"kind": "step", "step": step, "seconds": seconds}), flush=True)
+
+    train_steps(args, device, wrap, on_step)
     dist.destroy_process_group()
 
 

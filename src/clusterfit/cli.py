@@ -590,11 +590,13 @@ def bench_train(
     batch: Annotated[int, typer.Option(min=1, help="Images per rank per step.")] = 16,
     steps: Annotated[int, typer.Option(min=1, help="Training steps per run.")] = 30,
     warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
-    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for both systems.")] = "auto",
+    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for every system.")] = "auto",
+    ray: Annotated[bool, typer.Option(help="Also run the loop under Ray Train's TorchTrainer (the ray extra).")] = True,
     out: Annotated[Path, typer.Option(help="Folder for train.json and train.png.")] = Path("benchmarks/results"),
 ) -> None:
-    """Training images/s of clusterfit vs a hand-written torchrun + DDP loop, per model x worker count, with
-    weak-scaling efficiency; writes JSON and a PNG chart (needs matplotlib: the bench extra)."""
+    """Training images/s of clusterfit vs a hand-written torchrun + DDP loop and the same loop under Ray Train,
+    per model x worker count, with weak-scaling efficiency and the step time split into compute, communication
+    and data wait; writes JSON and a PNG chart (needs matplotlib: the bench extra)."""
     from clusterfit.bench.train import RESULTS_JSON, RESULTS_PNG, TrainBenchConfig, parse_list, run_train_bench
 
     try:
@@ -606,12 +608,94 @@ def bench_train(
             steps=steps,
             warmup=warmup,
             precision=precision,
+            ray=ray,
         )
         report = run_train_bench(config, out)
     except SpecError as exc:
         raise _fail(str(exc)) from None
     console.print(report.markdown(), markup=False, soft_wrap=True)
     console.print(f"results: {out / RESULTS_JSON}  chart: {out / RESULTS_PNG}", markup=False)
+
+
+@bench_app.command("ckpt")
+def bench_ckpt(
+    model: Annotated[str, typer.Option(help="Model to checkpoint.")] = "resnet50",
+    workers: Annotated[int, typer.Option(min=1, help="Worker (rank) count on this machine.")] = 2,
+    image_size: Annotated[int, typer.Option(min=16, max=1024, help="Side of the synthetic images.")] = 64,
+    batch: Annotated[int, typer.Option(min=1, help="Images per rank per step.")] = 8,
+    steps: Annotated[int, typer.Option(min=2, help="Training steps per run.")] = 40,
+    every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints.")] = 5,
+    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16.")] = "auto",
+    directory: Annotated[
+        Optional[Path],  # noqa: UP045 - typer needs Optional here
+        typer.Option(help="Where the checkpoints are written (the disk measured); a temp folder by default."),
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Folder for ckpt.json.")] = Path("benchmarks/results"),
+) -> None:
+    """Time the training loop stands still per checkpoint, synchronous vs asynchronous saving
+    (trainer.checkpoint.async_save), and what each costs the whole run against no checkpoints."""
+    from clusterfit.bench.ckpt import RESULTS_JSON, CkptBenchConfig, run_ckpt_bench
+
+    try:
+        config = CkptBenchConfig(
+            model=model,
+            workers=workers,
+            image_size=image_size,
+            batch=batch,
+            steps=steps,
+            every=every,
+            precision=precision,
+            directory=directory,
+        )
+        report = run_ckpt_bench(config, out)
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
+    console.print(report.markdown(), markup=False, soft_wrap=True)
+    console.print(f"async stall / sync stall: {report.stall_ratio:.3f}  results: {out / RESULTS_JSON}", markup=False)
+
+
+@bench_app.command("comm")
+def bench_comm(
+    workers: Annotated[int, typer.Option(min=2, help="Ranks on this machine.")] = 2,
+    sizes: Annotated[
+        str, typer.Option(help="Comma-separated all-reduce sizes in bytes (default 1 KiB to 64 MiB and 100 MiB).")
+    ] = "",
+    repeats: Annotated[int, typer.Option(min=1, help="Timed all-reduces per size; the median counts.")] = 10,
+    model: Annotated[str, typer.Option(help="Model of the bucket-size sweep.")] = "resnet50",
+    buckets_mb: Annotated[
+        str, typer.Option(help="Comma-separated trainer.ddp_bucket_cap_mb values; empty skips the sweep.")
+    ] = "1,5,25,100",
+    image_size: Annotated[int, typer.Option(min=16, max=1024, help="Side of the synthetic images.")] = 64,
+    batch: Annotated[int, typer.Option(min=1, help="Images per rank per step.")] = 8,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps per bucket size.")] = 20,
+    warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
+    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16.")] = "auto",
+    out: Annotated[Path, typer.Option(help="Folder for comm.json.")] = Path("benchmarks/results"),
+) -> None:
+    """All-reduce time, algorithm and bus bandwidth (2(n-1)/n x bytes / time) over message sizes (gloo on CPU,
+    NCCL on GPUs), and the median training step of a model for each DDP bucket size."""
+    from clusterfit.bench.comm import RESULTS_JSON, CommBenchConfig, run_comm_bench
+    from clusterfit.bench.train import parse_list
+
+    try:
+        settings = {"sizes": parse_list("--sizes", sizes, int)} if sizes.strip() else {}
+        config = CommBenchConfig(
+            workers=workers,
+            repeats=repeats,
+            model=model,
+            buckets_mb=parse_list("--buckets-mb", buckets_mb, float),
+            image_size=image_size,
+            batch=batch,
+            steps=steps,
+            warmup=warmup,
+            precision=precision,
+            **settings,
+        )
+        report = run_comm_bench(config, out)
+    except SpecError as exc:
+        raise _fail(str(exc)) from None
+    console.print(report.markdown(), markup=False, soft_wrap=True)
+    console.print(f"results: {out / RESULTS_JSON}", markup=False)
 
 
 @bench_app.command("peak")

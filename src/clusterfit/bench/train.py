@@ -5,14 +5,23 @@ channels_last and threads per rank (cores / ranks):
 
 - clusterfit: `clusterfit run` of a synthetic-data job with `log_every_steps: 1`; per-step images/s from its
   metrics.jsonl;
-- hand-written: benchmarks/baselines/ddp_loop.py under torchrun; per-step wall time printed by rank 0.
+- hand-written: benchmarks/baselines/ddp_loop.py under torchrun; per-step wall time printed by rank 0;
+- Ray Train: the same loop function run by Ray Train's TorchTrainer on a local Ray instance
+  (benchmarks/baselines/ray_loop.py); per-step wall time of rank 0.
 
 Each system's figure is the median over the steps after `warmup`. Weak-scaling efficiency is
-throughput(n) / (n x throughput(1)); the headline is the ratio clusterfit / hand-written per cell.
+throughput(n) / (n x throughput(1)); the headline is the ratio clusterfit / each baseline per cell.
+
+The step time is split into compute, communication and data wait. Compute is measured in the same run by the
+hand-written loop with `--no-comm`: the same ranks on the same cores, each training its own replica without DDP.
+Data wait is what clusterfit's trainer measures around its data loader (the hand-written loop reuses one batch).
+What remains of the step is the part of the collectives that backward did not hide, plus the system's other
+per-step work; it is negative where a system's own step is cheaper than the hand-written loop's compute.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -32,8 +41,11 @@ from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES
 from clusterfit.worker.precision import resolve_precision
 
-BASELINE_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "baselines" / "ddp_loop.py"
-SYSTEMS = ("hand-written DDP", "clusterfit")
+BASELINES = Path(__file__).resolve().parents[3] / "benchmarks" / "baselines"
+BASELINE_SCRIPT = BASELINES / "ddp_loop.py"
+RAY_SCRIPT = BASELINES / "ray_loop.py"
+HAND_WRITTEN, RAY_TRAIN, CLUSTERFIT = "hand-written DDP", "Ray Train", "clusterfit"
+SYSTEMS = (HAND_WRITTEN, RAY_TRAIN, CLUSTERFIT)
 RESULTS_JSON = "train.json"
 RESULTS_PNG = "train.png"
 NUM_CLASSES = 1000
@@ -50,6 +62,15 @@ class TrainBenchConfig:
     warmup: int = 5  # steps left out of the median
     precision: str = "auto"
     channels_last: bool = True
+    ray: bool = True  # Ray Train's TorchTrainer as a second baseline (needs the ray extra)
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        return SYSTEMS if self.ray else (HAND_WRITTEN, CLUSTERFIT)
+
+    @property
+    def baselines(self) -> tuple[str, ...]:
+        return tuple(s for s in self.systems if s != CLUSTERFIT)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.models if m not in MODEL_NAMES]
@@ -80,6 +101,23 @@ class Cell:
     step_images_per_s: list[float]  # every measured step, warm-up included
     images_per_s: float  # median after warm-up
     scaling_efficiency: float | None = None  # throughput(n) / (n x throughput(1)); None without a 1-worker cell
+    split: StepSplit | None = None
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """Median seconds per step after warm-up, and its parts."""
+
+    step_s: float
+    compute_s: float  # the same per-rank work without communication (hand-written loop, --no-comm)
+    data_wait_s: float
+    # NOTE: what remains, step - compute - data wait: the communication backward did not hide plus the system's
+    # other per-step work. Not clipped at 0: below 0 the system's own step is cheaper than the hand-written one.
+    communication_s: float
+
+    @classmethod
+    def of(cls, step_s: float, compute_s: float, data_wait_s: float) -> StepSplit:
+        return cls(step_s, compute_s, data_wait_s, step_s - compute_s - data_wait_s)
 
 
 @dataclass
@@ -92,9 +130,8 @@ class TrainBenchReport:
     def cell(self, system: str, model: str, workers: int) -> Cell:
         return next(c for c in self.cells if (c.system, c.model, c.workers) == (system, model, workers))
 
-    def ratio(self, model: str, workers: int) -> float:
-        baseline, ours = (self.cell(system, model, workers).images_per_s for system in SYSTEMS)
-        return ours / baseline
+    def ratio(self, model: str, workers: int, baseline: str = HAND_WRITTEN) -> float:
+        return self.cell(CLUSTERFIT, model, workers).images_per_s / self.cell(baseline, model, workers).images_per_s
 
     def fill_scaling(self) -> None:
         for c in self.cells:
@@ -108,7 +145,7 @@ class TrainBenchReport:
             "precision": self.precision,
             "cells": [asdict(c) for c in self.cells],
             "ratios": [
-                {"model": m, "workers": n, "clusterfit_over_hand_written": self.ratio(m, n)}
+                {"model": m, "workers": n, **{_ratio_key(b): self.ratio(m, n, b) for b in self.config.baselines}}
                 for m in self.config.models
                 for n in self.config.workers
             ],
@@ -121,19 +158,49 @@ class TrainBenchReport:
             f"{c.image_size}x{c.image_size} synthetic images, batch {c.batch} per rank, {self.precision}, "
             f"channels_last {c.channels_last}; median images/s over steps {c.warmup + 1}-{c.steps}",
             "",
-            "| model | workers | threads/rank | hand-written DDP images/s | clusterfit images/s "
-            "| clusterfit ÷ hand-written "
-            "| scaling eff. hand-written | scaling eff. clusterfit |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| model | workers | threads/rank | "
+            + " | ".join(f"{system} images/s" for system in c.systems)
+            + " | "
+            + " | ".join(f"clusterfit ÷ {b}" for b in c.baselines)
+            + " | "
+            + " | ".join(f"scaling eff. {system}" for system in c.systems)
+            + " |",
+            "|---|---:|---:|" + "---:|" * (2 * len(c.systems) + len(c.baselines)),
         ]
         for model in c.models:
             for n in c.workers:
-                base, ours = (self.cell(s, model, n) for s in SYSTEMS)
+                cells = [self.cell(s, model, n) for s in c.systems]
                 lines.append(
-                    f"| {model} | {n} | {ours.threads_per_rank} | {base.images_per_s:.1f} | {ours.images_per_s:.1f} "
-                    f"| {self.ratio(model, n):.2f}x | {_eff(base)} | {_eff(ours)} |"
+                    f"| {model} | {n} | {cells[0].threads_per_rank} | "
+                    + " | ".join(f"{cell.images_per_s:.1f}" for cell in cells)
+                    + " | "
+                    + " | ".join(f"{self.ratio(model, n, b):.2f}x" for b in c.baselines)
+                    + " | "
+                    + " | ".join(_eff(cell) for cell in cells)
+                    + " |"
                 )
+        lines += [
+            "",
+            "Step time split (ms, median step after warm-up; compute = the hand-written loop's ranks without"
+            " communication; the rest = step - compute - data wait):",
+            "",
+            "| model | workers | system | step | compute | rest: exposed communication + other | data wait |",
+            "|---|---:|---|---:|---:|---:|---:|",
+        ]
+        for model in c.models:
+            for n in c.workers:
+                for system in c.systems:
+                    split = self.cell(system, model, n).split
+                    if split is not None:
+                        lines.append(
+                            f"| {model} | {n} | {system} | {1000 * split.step_s:.0f} | {1000 * split.compute_s:.0f} "
+                            f"| {1000 * split.communication_s:.0f} | {1000 * split.data_wait_s:.0f} |"
+                        )
         return "\n".join(lines)
+
+
+def _ratio_key(baseline: str) -> str:
+    return "clusterfit_over_" + baseline.lower().replace("-", "_").replace(" ", "_")
 
 
 def _eff(cell: Cell) -> str:
@@ -155,8 +222,15 @@ def median_after_warmup(values: list[float], warmup: int) -> float:
     return statistics.median(values[warmup:])
 
 
-def run_clusterfit(config: TrainBenchConfig, model: str, workers: int, precision: str, workdir: Path) -> list[float]:
-    """Per-step global images/s of `clusterfit run` on synthetic data, from its metrics.jsonl."""
+def run_clusterfit(
+    config: TrainBenchConfig,
+    model: str,
+    workers: int,
+    precision: str,
+    workdir: Path,
+    trainer_settings: dict[str, object] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Per-step global images/s and data-wait seconds of `clusterfit run` on synthetic data, from its metrics."""
     out = workdir / f"clusterfit-{model}-{workers}"
     job = {
         "name": f"bench-{model}-{workers}",
@@ -170,32 +244,44 @@ def run_clusterfit(config: TrainBenchConfig, model: str, workers: int, precision
             "channels_last": config.channels_last,
             "log_every_steps": 1,
             "checkpoint": {"every_steps": None, "keep": 1},
+            **(trainer_settings or {}),
         },
         "distribution": {"type": "pytorch", "process_count_per_instance": workers},
         "resources": {"instance_count": 1, "backend": "local"},
         "outputs": {"dir": str(out)},
     }
+    workdir.mkdir(parents=True, exist_ok=True)
     spec = workdir / f"clusterfit-{model}-{workers}.yaml"
     spec.write_text(yaml.safe_dump(job, sort_keys=False))
     _run(f"clusterfit run ({model}, {workers} worker(s))", [sys.executable, "-m", "clusterfit", "run", str(spec)])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r["images_per_s"] for r in records if r.get("kind") == "train"]
+    steps = [r for r in records if r.get("kind") == "train"]
+    global_batch = config.batch * workers
+    return [r["images_per_s"] for r in steps], [r["data_wait"] * global_batch / r["images_per_s"] for r in steps]
 
 
-def run_baseline(config: TrainBenchConfig, model: str, workers: int, precision: str) -> list[float]:
-    """Per-step global images/s of the hand-written loop under torchrun, from rank 0's step times."""
-    if not BASELINE_SCRIPT.is_file():
-        raise SpecError(
-            f"{BASELINE_SCRIPT}: the hand-written baseline is missing; run from a clusterfit source checkout"
-        )
+def run_baseline(
+    config: TrainBenchConfig, model: str, workers: int, precision: str, communicate: bool = True, ray: bool = False
+) -> list[float]:
+    """Per-step global images/s of the hand-written loop under torchrun (or Ray Train), from rank 0's step
+    times; without communication (`--no-comm`) every rank trains its own replica."""
+    script = RAY_SCRIPT if ray else BASELINE_SCRIPT
+    if not script.is_file():
+        raise SpecError(f"{script}: the baseline is missing; run from a clusterfit source checkout")
+    if ray:
+        launcher = [sys.executable, str(script), f"--workers={workers}"]
+    else:
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes=1",
+            f"--nproc-per-node={workers}",
+            str(script),
+        ]
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc-per-node={workers}",
-        str(BASELINE_SCRIPT),
+        *launcher,
         f"--model={model}",
         f"--image-size={config.image_size}",
         f"--batch={config.batch}",
@@ -203,11 +289,17 @@ def run_baseline(config: TrainBenchConfig, model: str, workers: int, precision: 
         f"--num-classes={NUM_CLASSES}",
         f"--precision={precision}",
         *([] if config.channels_last else ["--no-channels-last"]),
+        *([] if communicate else ["--no-comm"]),
     ]
     env = {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "PYTHONUNBUFFERED": "1"}
-    stdout = _run(f"hand-written DDP loop ({model}, {workers} worker(s))", command, env)
+    what = RAY_TRAIN if ray else "hand-written DDP loop" if communicate else "hand-written loop without communication"
+    stdout = _run(f"{what} ({model}, {workers} worker(s))", command, env)
     steps = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"kind": "step"')]
     return [config.batch * workers / s["seconds"] for s in steps]
+
+
+def _median_seconds(images_per_s: list[float], config: TrainBenchConfig, workers: int) -> float:
+    return median_after_warmup([config.batch * workers / rate for rate in images_per_s], config.warmup)
 
 
 def _run(what: str, command: list[str], env: dict[str, str] | None = None) -> str:
@@ -221,6 +313,8 @@ def _run(what: str, command: list[str], env: dict[str, str] | None = None) -> st
 def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport:
     """Every model x worker count, the hand-written loop first and clusterfit right after it on the same cell."""
     _matplotlib()  # before minutes of training, not after
+    if config.ray:
+        _require_ray()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         precision = resolve_precision(config.precision, device).name  # both systems get this concrete dtype
@@ -231,17 +325,25 @@ def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport
         for model in config.models:
             for workers in config.workers:
                 threads = threads_per_worker(workers)
-                for system in SYSTEMS:
-                    if system == "clusterfit":
-                        steps = run_clusterfit(config, model, workers, precision, Path(tmp))
+                compute_only = run_baseline(config, model, workers, precision, communicate=False)
+                compute_s = _median_seconds(compute_only, config, workers)
+                for system in config.systems:
+                    data_wait = [0.0] * config.steps  # the baselines reuse one batch on the device
+                    if system == CLUSTERFIT:
+                        steps, data_wait = run_clusterfit(config, model, workers, precision, Path(tmp))
                     else:
-                        steps = run_baseline(config, model, workers, precision)
-                    if len(steps) != config.steps:
+                        steps = run_baseline(config, model, workers, precision, ray=system == RAY_TRAIN)
+                    if len(steps) != config.steps or len(compute_only) != config.steps:
                         raise SpecError(
                             f"{system} ({model}, {workers}): {len(steps)} step timings, expected {config.steps}"
                         )
                     median = median_after_warmup(steps, config.warmup)
-                    report.cells.append(Cell(system, model, workers, threads, steps, median))
+                    split = StepSplit.of(
+                        _median_seconds(steps, config, workers),
+                        compute_s,
+                        median_after_warmup(data_wait, config.warmup),
+                    )
+                    report.cells.append(Cell(system, model, workers, threads, steps, median, split=split))
     report.fill_scaling()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / RESULTS_JSON).write_text(json.dumps(report.to_json(), indent=2) + "\n")
@@ -256,18 +358,20 @@ def plot(report: TrainBenchReport, path: Path) -> None:
     c = report.config
     groups = [(m, n) for m in c.models for n in c.workers]
     x = list(range(len(groups)))
-    width = 0.38
-    colours = {"hand-written DDP": "#9e9e9e", "clusterfit": "#1f77b4"}
+    systems = c.systems
+    width = 0.8 / len(systems)
+    colours = {HAND_WRITTEN: "#9e9e9e", RAY_TRAIN: "#ff7f0e", CLUSTERFIT: "#1f77b4"}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) + 2), 5.0))
-    for offset, system in zip((-width / 2, width / 2), SYSTEMS, strict=True):
+    offsets = [(i - (len(systems) - 1) / 2) * width for i in range(len(systems))]
+    for offset, system in zip(offsets, systems, strict=True):
         values = [report.cell(system, m, n).images_per_s for m, n in groups]
         bars = ax.bar([i + offset for i in x], values, width, label=f"{system} images/s", color=colours[system])
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
     ax.set_xticks(x, [f"{m}\n{n} worker{'s' if n > 1 else ''}" for m, n in groups])
     ax.set_ylabel("images/s (median step)")
     eff_ax = ax.twinx()
-    markers = {"hand-written DDP": "s--", "clusterfit": "o-"}
-    for system in SYSTEMS:
+    markers = {HAND_WRITTEN: "s--", RAY_TRAIN: "^:", CLUSTERFIT: "o-"}
+    for system in systems:
         for model in c.models:
             points = [
                 (i, report.cell(system, m, n).scaling_efficiency)
@@ -305,6 +409,11 @@ def plot(report: TrainBenchReport, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _require_ray() -> None:
+    if importlib.util.find_spec("ray") is None:
+        raise SpecError("the Ray Train baseline needs ray[train]: pip install 'clusterfit[ray]', or pass --no-ray")
 
 
 def _matplotlib():  # noqa: ANN202 - the pyplot module

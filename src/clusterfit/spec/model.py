@@ -67,6 +67,11 @@ class ScheduleSpec(_Strict):
 class CheckpointSpec(_Strict):
     every_steps: int | None = Field(200, ge=1, description="null = only at the end of each epoch")
     keep: int = Field(3, ge=1)
+    async_save: bool = Field(
+        False,
+        description="copy the state in memory and write it in a background thread while training goes on; "
+        "published only once every rank's part is on disk, one save in flight, the last one finished before export",
+    )
 
 
 class DdpOptions(_Strict):
@@ -114,6 +119,12 @@ class TrainerSpec(_Strict):
     strategy: Literal["ddp", "fsdp", "pipeline", "localsgd"] = "ddp"
     strategy_options: StrategyOptions = DdpOptions()
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    ddp_bucket_cap_mb: float | None = Field(
+        None,
+        gt=0,
+        description="DDP gradient bucket size in MB (null = PyTorch's 25): smaller buckets start communicating "
+        "earlier in backward, larger ones make fewer, bigger messages",
+    )
 
     @model_validator(mode="before")
     @classmethod

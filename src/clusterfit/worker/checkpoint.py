@@ -1,5 +1,11 @@
 """Checkpoints that survive crashes: written to a temp folder, published by one rename once every
-rank has written its part, verified by checksum on load, never unpickling code."""
+rank has written its part, verified by checksum on load, never unpickling code.
+
+With `async_save`, the training loop only waits for a copy of the state in memory; a background thread per
+rank serializes and writes that rank's part, and rank 0's thread publishes once every rank's part is on disk.
+The background threads coordinate through the files themselves (each part appears by rename once durable),
+never through collectives: a gloo collective from a second thread would interleave with the training
+loop's collectives on the same process group and corrupt both."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,16 +80,23 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
 
 
 class CheckpointStore:
-    def __init__(self, root: str | Path, keep: int, env: DistEnv) -> None:
+    def __init__(
+        self, root: str | Path, keep: int, env: DistEnv, async_save: bool = False, part_timeout_s: float = 1800
+    ) -> None:
         self.root = Path(root)
         self.keep = keep
         self.env = env
+        self.async_save = async_save
+        self.part_timeout_s = part_timeout_s  # rank 0 gives up publishing when another rank's part never comes
+        self._background: _BackgroundSave | None = None
 
     def complete(self) -> list[Path]:
         return published(self.root)
 
     def save(self, step: int, shared: dict[str, Any], own: dict[str, Any], info: dict[str, Any]) -> Path:
-        """Collective: every rank calls it. `shared` is written by rank 0 only, `own` by every rank."""
+        """Collective: every rank calls it. `shared` is written by rank 0 only, `own` by every rank.
+        Synchronous: returns once published. Asynchronous: returns once the state is copied; `wait()` ends it."""
+        self.wait()  # at most one save in flight; the previous one is published before the next starts
         final = self.root / checkpoint_name(step)
         tmp = self.root / f"{TMP_PREFIX}{checkpoint_name(step)}"
         if self.env.is_main:
@@ -90,21 +104,60 @@ class CheckpointStore:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier(self.env)
-        _write_durably(tmp / rank_file(self.env.rank), _serialize(own))
+        if not self.async_save:
+            self._write_part(tmp, shared, own)
+            # NOTE: the checkpoint only exists once every rank has written its part.
+            barrier(self.env)
+            if self.env.is_main:
+                self._publish(tmp, final, step, info)
+            return final
+        # The loop mutates parameters and optimizer buffers in place from the next step on: write a copy.
+        snapshot = _detached_copy(shared), _detached_copy(own)
+        self._background = _BackgroundSave(
+            target=self._write_and_publish, args=(tmp, final, step, info, *snapshot), name=f"checkpoint-{step}"
+        )
+        self._background.start()
+        return final
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and, on rank 0, published; re-raise its error."""
+        background, self._background = self._background, None
+        if background is not None:
+            background.finish()
+
+    def _write_and_publish(
+        self, tmp: Path, final: Path, step: int, info: dict[str, Any], shared: dict[str, Any], own: dict[str, Any]
+    ) -> None:
+        self._write_part(tmp, shared, own)
+        if self.env.is_main:
+            # NOTE: the checkpoint only exists once every rank's part is durable; a part appears by rename.
+            expected = [tmp / rank_file(rank) for rank in range(self.env.world_size)]
+            deadline = time.monotonic() + self.part_timeout_s
+            while not all(part.is_file() for part in expected):
+                if time.monotonic() > deadline:
+                    missing = [p.name for p in expected if not p.is_file()]
+                    raise TimeoutError(f"checkpoint step {step}: no {', '.join(missing)} after {self.part_timeout_s}s")
+                time.sleep(_PART_POLL_S)
+            self._publish(tmp, final, step, info)
+            log.info("checkpoint %s", final)
+
+    def _write_part(self, tmp: Path, shared: dict[str, Any], own: dict[str, Any]) -> None:
         if self.env.is_main:
             _write_durably(tmp / SHARED_STATE, _serialize(shared))
-        # NOTE: the checkpoint only exists once every rank has written its part.
-        barrier(self.env)
-        if self.env.is_main:
-            files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_of(f)} for f in sorted(tmp.iterdir())}
-            manifest = {"step": step, "world_size": self.env.world_size, "created": time.time(), "files": files, **info}
-            _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            self._prune()
-        return final
+        part = tmp / rank_file(self.env.rank)
+        _write_durably(part.with_name(part.name + ".part"), _serialize(own))
+        os.replace(part.with_name(part.name + ".part"), part)  # appears whole or not at all
+        _fsync_dir(tmp)
+
+    def _publish(self, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> None:
+        files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_of(f)} for f in sorted(tmp.iterdir())}
+        manifest = {"step": step, "world_size": self.env.world_size, "created": time.time(), "files": files, **info}
+        _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
 
     def load_latest(self, device: torch.device) -> LoadedCheckpoint | None:
         """The newest checkpoint that verifies; corrupt ones are reported and skipped, never deleted."""
@@ -129,6 +182,40 @@ class CheckpointStore:
     def _prune(self) -> None:
         for old in self.complete()[self.keep :]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+_PART_POLL_S = 0.01
+
+
+class _BackgroundSave(threading.Thread):
+    """A daemon thread that keeps its exception for `finish()`: a process that dies mid-save leaves only a
+    temp folder, which is never loaded and is removed by the next run."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(daemon=True, **kwargs)
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread in finish()
+            self.error = exc
+
+    def finish(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise RuntimeError(f"asynchronous checkpoint {self.name} failed: {self.error}") from self.error
+
+
+def _detached_copy(obj: Any) -> Any:
+    """The same nested dicts/lists with every tensor copied to CPU memory that nothing else writes to."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: _detached_copy(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_detached_copy(value) for value in obj)
+    return obj
 
 
 def _serialize(obj: Any) -> bytes:

@@ -20,9 +20,31 @@ def build_optimizer(model: nn.Module, spec: OptimizerSpec, global_batch: int) ->
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": spec.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     lr = scaled_lr(spec, global_batch)
+    fused = _fused_kernel_applies([*decay, *no_decay])
     if spec.name == "sgd":
-        return torch.optim.SGD(groups, lr=lr, momentum=spec.momentum, nesterov=spec.nesterov)
-    return torch.optim.AdamW(groups, lr=lr)
+        return torch.optim.SGD(groups, lr=lr, momentum=spec.momentum, nesterov=spec.nesterov, fused=fused)
+    return torch.optim.AdamW(groups, lr=lr, fused=fused)
+
+
+def match_kernel_to_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """After loading a checkpoint: its param groups carry the kernel choice of the job that saved them (say
+    fused under DDP), which may not apply to these parameters (FSDP's shards)."""
+    for group in optimizer.param_groups:
+        group["fused"] = _fused_kernel_applies(group["params"])
+        if group["fused"]:
+            group["foreach"] = False
+
+
+def _fused_kernel_applies(params: list[torch.Tensor]) -> bool:
+    """Whether to step all parameters in one fused kernel rather than torch's default.
+    NOTE: torch's default on the CPU is a Python loop over the parameters; the fused kernel takes half its time
+    for ResNet-50 there (benchmarks/RESULTS.md, the bf16 step profile). FSDP's sharded parameters (DTensor) keep
+    the default."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(
+        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params
+    )
 
 
 def lr_factor(step: int, total_steps: int, warmup_steps: int, kind: str) -> float:

@@ -90,7 +90,7 @@ class DataParallel:
         if not env.is_distributed:
             return
         device_ids = [device.index] if device.type == "cuda" else None
-        bucket_cap_mb = None
+        bucket_cap_mb = spec.ddp_bucket_cap_mb
         if spec.grad_compression == "powersgd" and device.type != "cuda":
             # NOTE: PowerSGD chains collectives in future callbacks. Under gloo (no stream ordering), callbacks
             # of different buckets interleave in different orders on different ranks and the collectives

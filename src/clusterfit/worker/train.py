@@ -30,7 +30,7 @@ from clusterfit.worker.faults import fault_from_env
 from clusterfit.worker.heartbeat import TRAINING, Heartbeat
 from clusterfit.worker.inputs import InputWatch
 from clusterfit.worker.manifest import CHECKPOINT_DIR
-from clusterfit.worker.optim import build_optimizer, build_schedule, scaled_lr
+from clusterfit.worker.optim import build_optimizer, build_schedule, match_kernel_to_parameters, scaled_lr
 from clusterfit.worker.parallel import Strategy, parallelize
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
 from clusterfit.worker.stop_signal import StoppedForRequeue, StopSignal
@@ -134,7 +134,9 @@ class Trainer:
         self.scheduler = build_schedule(self.optimizer, self.cfg.schedule, self.steps_per_epoch, self.total_steps)
         self.scaler = make_grad_scaler(self.precision, self.device)
 
-        self.store = CheckpointStore(self.out / CHECKPOINT_DIR, self.cfg.checkpoint.keep, env)
+        self.store = CheckpointStore(
+            self.out / CHECKPOINT_DIR, self.cfg.checkpoint.keep, env, async_save=self.cfg.checkpoint.async_save
+        )
         self.progress = Progress()
         self.resumed_from = self._restore()
         self.inputs = InputWatch(
@@ -187,10 +189,12 @@ class Trainer:
                 progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
                 self._save_checkpoint()
         except StoppedForRequeue:
+            self.store.wait()  # the stop's checkpoint must be published before the process ends
             if self.env.is_main:
                 log.info("stopped at step %d on request; a rerun resumes from its checkpoint", progress.global_step)
             self.sinks.close()
             return None
+        self.store.wait()  # the last checkpoint is published before the model is exported
         self.heartbeat.beat("exporting", progress.global_step, force=True)
         peak_memory = self._peak_memory_per_rank()  # measured before export adds its own copies
         full = self.strategy.full_state(self.optimizer)  # collective
@@ -300,6 +304,7 @@ class Trainer:
         self.strategy.load_full_state(
             self.optimizer, loaded.shared["model"], loaded.shared["optimizer"], self.progress.global_step
         )
+        match_kernel_to_parameters(self.optimizer)
         self.scheduler.load_state_dict(loaded.shared["scheduler"])
         self.scaler.load_state_dict(loaded.shared["scaler"])
         if loaded.own is not None:
@@ -313,6 +318,7 @@ class Trainer:
         return loaded.path
 
     def _save_checkpoint(self) -> None:
+        started = time.perf_counter()
         self._sync_inputs()
         full = self.strategy.full_state(self.optimizer)  # collective; the state lands on the main rank only
         model_state, optim_state = full if full is not None else ({}, {})
@@ -335,8 +341,13 @@ class Trainer:
             "global_step": self.progress.global_step,
         }
         path = self.store.save(self.progress.global_step, shared, capture_rng(self.device), info)
+        stalled = time.perf_counter() - started  # how long training stood still for this checkpoint
+        self.sinks.write(
+            {"kind": "checkpoint", "step": self.progress.global_step, "stall_s": stalled, "time": time.time()}
+        )
         if self.env.is_main:
-            log.info("checkpoint %s", path)
+            written = "writing in the background" if self.store.async_save else "published"
+            log.info("checkpoint %s %s, training stalled %.3f s", path, written, stalled)
 
     def _peak_memory_per_rank(self) -> list[int]:
         """Collective: each rank's peak memory in bytes (CUDA allocator peak on GPUs, peak RSS on CPUs)."""
