@@ -64,7 +64,10 @@ def run(
 
     spec = _load(spec_file, overrides)
     backend = get_backend(spec.resources.backend)
-    rendered = backend.dry_run(spec)
+    try:
+        rendered = backend.dry_run(spec)
+    except SpecError as exc:  # what only the engine checks (Ray: CPUs to reserve per process)
+        raise _fail(str(exc)) from None
     if dry_run:
         for path, content in rendered.files.items():
             console.print(f"# {path}", markup=False)
@@ -74,7 +77,10 @@ def run(
         return
     out = Path(spec.outputs.dir)
     watch = JobWatch(out)
-    handle = backend.submit(spec)
+    try:
+        handle = backend.submit(spec)
+    except SpecError as exc:  # the engine refused the job: no cluster at that address, too few nodes
+        raise _fail(str(exc)) from None
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` of the launcher cancels the job like Ctrl-C
     try:
         code = follow(handle, watch, console)

@@ -172,7 +172,11 @@ class DistributionSpec(_Strict):
 
 class ResourcesSpec(_Strict):
     instance_count: int = Field(1, ge=1)
-    backend: Literal["local"] = "local"
+    backend: Literal["local", "ray"] = "local"
+    ray_address: str | None = Field(
+        None,
+        description="ray backend: the cluster (host:port, ray://host:port or auto); null = $RAY_ADDRESS, else auto",
+    )
 
 
 class OutputsSpec(_Strict):
