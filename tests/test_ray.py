@@ -27,6 +27,14 @@ ON_RAY = [
     "--set",
     "distribution.process_count_per_instance=1",
 ]
+TINY_EXAMPLE = [  # the example job at test size
+    "--set=trainer.model=resnet_tiny",
+    "--set=trainer.data.image_size=32",
+    "--set=trainer.batch_size=4",
+    "--set=trainer.steps_per_epoch=4",
+    "--set=trainer.precision=fp32",
+    "--set=trainer.log_every_steps=2",
+]
 RAY_JOB_SCRIPT = str(REPO / "tests" / "scripts" / "ray_job.py")
 
 
@@ -95,22 +103,11 @@ def test_no_cluster_at_the_address_is_a_one_line_error(tmp_path: Path) -> None:
     assert "ray start --head" in lines[0]
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> RayCluster:
-    cluster = RayCluster()
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-    assert not cluster.leftover_processes(), "the test cluster left processes behind"
-
-
-def test_ddp_job_trains_to_an_exported_model_on_two_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
+def test_example_job_trains_to_an_exported_model_on_two_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    job = write_job(tmp_path / "job.yaml", tiny_job(out))  # the local job; only --set moves it to Ray
+    example = REPO / "examples" / "resnet50-synthetic.yaml"  # the local example; only --set moves it to Ray
     result = subprocess.run(
-        cli_command("run", str(job), *ON_RAY),
+        cli_command("run", str(example), *TINY_EXAMPLE, f"--set=outputs.dir={out}", *ON_RAY),
         env=ray_cluster.client_env(),
         capture_output=True,
         text=True,
@@ -144,6 +141,28 @@ def test_ctrl_c_stops_every_process_and_removes_the_placement_group(ray_cluster:
     assert not _job_processes(out)
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
     assert not (out / "summary.json").exists()
+
+
+def test_a_dead_worker_fails_the_job_and_stops_the_other_node(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml", tiny_job(out, steps_per_epoch=None))
+    launcher = subprocess.Popen(
+        cli_command("run", str(job), *ON_RAY),
+        env=ray_cluster.client_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    processes = _wait_until_training(out, launcher)
+    rank1 = int(re.search(r"rank 1 of 2 .* pid (\d+)", (out / "logs" / "rank-1.log").read_text()).group(1))
+    os.kill(rank1, signal.SIGKILL)  # max_restarts 0: node 1's agent gives up, and so the job
+    _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 1, stderr[-3000:]
+    assert stderr.splitlines()[0] == "error: job tiny failed (exit code 1)", stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert not [p.pid for p in processes if _alive(p)], "node 0 kept running after node 1 failed"
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
 
 
 def test_another_process_finds_the_job_for_status_and_cancel(ray_cluster: RayCluster, tmp_path: Path) -> None:
