@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,31 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
     return subprocess.run(cli_command(*args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs of clusterfit processes whose command line contains `marker` (e.g. a job's outputs folder)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if marker in cmdline and "clusterfit" in cmdline and int(entry.name) != os.getpid():
+                pids.append(int(entry.name))
+    return pids
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:
+    """Poll until `predicate()` is truthy; returns its value, or fails the test naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(interval)
+
+
 def exported_weights(out_dir: Path) -> dict[str, Any]:
     return load_file(str(out_dir / "model" / "model.safetensors"))
 
@@ -104,3 +130,13 @@ def tiny_imagefolder(tmp_path: Path) -> Path:
 
     # 15 validation images: 2 ranks get 8 and 7, so exact counting across ranks is exercised.
     return make_tiny_imagefolder(tmp_path / "data", classes=3, train_per_class=16, val_per_class=5, size=40)
+
+
+@pytest.fixture(autouse=True)
+def service_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test gets its own job store (CLUSTERFIT_HOME), inherited by the CLI processes it starts."""
+    home = tmp_path_factory.mktemp("clusterfit-home")
+    monkeypatch.setenv("CLUSTERFIT_HOME", str(home))
+    monkeypatch.delenv("CLUSTERFIT_DATABASE_URL", raising=False)
+    monkeypatch.delenv("CLUSTERFIT_SERVER", raising=False)
+    return home

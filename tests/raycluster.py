@@ -28,17 +28,12 @@ class RayCluster:
         self.temp_dir = Path(tempfile.mkdtemp(prefix="cfray-", dir="/tmp"))
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.env = {
-            **os.environ,
-            "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN": secrets.token_hex(32),
-            "RAY_ADDRESS": "",  # never join a cluster someone else started
-        }
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self.nodes: list[subprocess.Popen[bytes]] = []
 
     def client_env(self, **extra: str) -> dict[str, str]:
-        """What a launcher needs to join this cluster: the address and the token."""
-        return {**self.env, "RAY_ADDRESS": self.address, "COLUMNS": "200", **extra}
+        """The current environment plus what a launcher needs to join this cluster: the address and the token."""
+        return {**os.environ, **self.auth, "RAY_ADDRESS": self.address, "COLUMNS": "200", **extra}
 
     def start(self) -> None:
         common = [
@@ -120,7 +115,7 @@ class RayCluster:
         self.nodes.append(
             subprocess.Popen(
                 [RAY, "start", *args],
-                env=self.env,
+                env={**os.environ, **self.auth, "RAY_ADDRESS": ""},  # never join a cluster someone else started
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli_command, exported_weights, max_abs_difference, run_cli, tiny_job, write_job
+from conftest import (
+    cli_command,
+    exported_weights,
+    max_abs_difference,
+    processes_mentioning,
+    run_cli,
+    tiny_job,
+    write_job,
+)
 from PIL import Image
 
 from clusterfit.models import build_model
@@ -40,19 +48,6 @@ def test_two_ranks_match_one_rank_with_the_global_batch(tmp_path: Path) -> None:
     moved = max_abs_difference(trained_one, initial)
     assert moved > 1e-2, "training must move the weights far more than the tolerance, or the test proves nothing"
     assert max_abs_difference(trained_two, trained_one) < 1e-5
-
-
-def _worker_pids(marker: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if marker in cmdline and "clusterfit" in cmdline and int(entry.name) != os.getpid():
-                pids.append(int(entry.name))
-    return pids
 
 
 RESUME_SETTINGS = {
@@ -90,8 +85,8 @@ def test_killed_job_resumes_to_the_same_weights(tmp_path: Path, straight_run: Pa
     launcher.kill()  # no chance to clean up
     launcher.wait()
     deadline = time.monotonic() + 60
-    while _worker_pids(str(out)):
-        assert time.monotonic() < deadline, f"orphan processes left: {_worker_pids(str(out))}"
+    while processes_mentioning(str(out)):
+        assert time.monotonic() < deadline, f"orphan processes left: {processes_mentioning(str(out))}"
         time.sleep(0.2)
     assert not (out / "summary.json").exists(), "the job must have been stopped before it finished"
 
@@ -217,7 +212,7 @@ def test_failed_job_names_the_rank_and_the_exception(tmp_path: Path, tiny_imagef
     result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
     assert result.returncode == 1
     errors = result.stderr.strip().splitlines()
-    assert errors[0] == "error: job tiny failed (exit code 1)"
+    assert re.fullmatch(r"error: job tiny \(\w+\) failed: Python exception", errors[0]), errors[0]
     assert any(
         line.startswith("error: rank ")
         and "BadInputError: " in line

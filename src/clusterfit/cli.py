@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -56,47 +58,227 @@ def run(
         bool, typer.Option("--dry-run", help="Print the resolved spec and the worker command; start nothing.")
     ] = False,
 ) -> None:
-    """Run a training job in the foreground: stream every rank's log, show progress, export the model."""
+    """Run a training job in the foreground: stream every rank's log, show progress, export the model.
+
+    The job is recorded like a submitted one (`clusterfit status/logs/show` work on it); Ctrl-C cancels it."""
     from clusterfit.backends import get_backend
-    from clusterfit.monitoring.failures import failure_causes
-    from clusterfit.monitoring.logtail import LOG_DIR
-    from clusterfit.monitoring.progress import JobWatch, follow
 
     spec = _load(spec_file, overrides)
     backend = get_backend(spec.resources.backend)
-    try:
-        rendered = backend.dry_run(spec)
-    except SpecError as exc:  # what only the engine checks (Ray: CPUs to reserve per process)
-        raise _fail(str(exc)) from None
     if dry_run:
+        try:
+            rendered = backend.dry_run(spec)
+        except SpecError as exc:  # what only the engine checks (Ray: CPUs to reserve per process)
+            raise _fail(str(exc)) from None
         for path, content in rendered.files.items():
             console.print(f"# {path}", markup=False)
             console.print(content, markup=False, end="")
         console.print(f"# {rendered.backend} backend command", markup=False)
         console.print(rendered.as_text(), markup=False, soft_wrap=True)
         return
-    out = Path(spec.outputs.dir)
-    watch = JobWatch(out)
-    try:
-        handle = backend.submit(spec)
-    except SpecError as exc:  # the engine refused the job: no cluster at that address, too few nodes
-        raise _fail(str(exc)) from None
+    from clusterfit.monitoring.progress import LiveView
+    from clusterfit.service.records import record_job
+    from clusterfit.service.scheduler import schedule
+    from clusterfit.service.states import JobState
+    from clusterfit.service.supervisor import Supervisor
+
+    store = _store()
+    job = record_job(store, spec, owner=_user())
+    out = Path(job.outputs_dir)
+    console.print(f"job {job.id} ({spec.name}) on the {spec.resources.backend} engine", markup=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` of the launcher cancels the job like Ctrl-C
+    with LiveView(out, console) as view:
+        say = partial(view.bar.console.print, markup=False, highlight=False, soft_wrap=True)
+        final = Supervisor(store, job.id, poll_s=0.2, on_tick=view.tick, log=say).run()
+    schedule(store)  # the machine is free again for queued jobs
+    if final.job_state is JobState.SUCCEEDED:
+        _print_summary(out)
+        return
+    if final.job_state is JobState.CANCELLED:
+        errors.print(f"job {job.id} cancelled; every worker stopped")
+        raise typer.Exit(130)
+    raise _fail(
+        "\n".join(
+            [
+                f"job {spec.name} ({job.id}) failed: {final.failure_cause.words if final.failure_cause else 'unknown'}",
+                *(final.cause_detail or "").splitlines(),
+                f"every rank's log is in {out / 'logs'}",
+            ]
+        ),
+        1,
+    )
+
+
+def _store():  # noqa: ANN202 - the type lives in a module imported on demand
+    from clusterfit.service.migrate import open_store
+
+    return open_store()
+
+
+def _user() -> str:
+    return os.environ.get("USER") or os.environ.get("LOGNAME") or str(os.getuid())
+
+
+@app.command()
+def submit(
+    spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml", help="The job spec.")],
+    overrides: SetOption = None,
+) -> None:
+    """Check a job on this machine, queue it, and print its id at once; it starts when there is room."""
+    from clusterfit.service.records import record_job
+    from clusterfit.service.scheduler import schedule
+
+    spec = _load(spec_file, overrides)
+    store = _store()
+    job = record_job(store, spec, owner=_user())
+    schedule(store)
+    console.print(job.id, markup=False)
+
+
+@app.command("list")
+def list_jobs(
+    state: Annotated[Optional[str], typer.Option(help="Only jobs in this state, e.g. running.")] = None,  # noqa: UP045
+    limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
+) -> None:
+    """The jobs, newest first: id, name, state, engine, ranks, progress, age."""
+    from clusterfit.service.render import jobs_table
+    from clusterfit.service.scheduler import reconcile
+    from clusterfit.service.views import job_row
+
+    wanted = _state(state)
+    store = _store()
+    reconcile(store)
+    console.print(jobs_table([job_row(job) for job in store.list_jobs(wanted, limit)]))
+
+
+def _state(name: str | None):  # noqa: ANN202
+    from clusterfit.service.states import JobState
+
+    if name is None:
+        return None
     try:
-        code = follow(handle, watch, console)
-    except KeyboardInterrupt:
-        errors.print("cancelling: stopping every worker ...")
-        handle.cancel()
-        raise typer.Exit(130) from None
-    if code != 0:
-        causes = failure_causes(out / LOG_DIR)
-        raise _fail(
-            "\n".join(
-                [f"job {spec.name} failed (exit code {code})", *causes, f"every rank's log is in {out / LOG_DIR}"]
-            ),
-            1,
-        )
-    _print_summary(out)
+        return JobState(name.upper())
+    except ValueError:
+        allowed = ", ".join(state.value.lower() for state in JobState)
+        raise _fail(f"--state {name!r} is not a job state; use one of: {allowed}") from None
+
+
+def _job(store, job_id: str):  # noqa: ANN001, ANN202
+    from clusterfit.service.scheduler import reconcile
+    from clusterfit.service.store import JobNotFound
+
+    reconcile(store)  # never show a job as running whose processes are gone
+    try:
+        return store.get(job_id)
+    except JobNotFound as exc:
+        raise _fail(str(exc)) from None
+
+
+JobArgument = Annotated[str, typer.Argument(metavar="JOB", help="A job id (or a unique prefix of one).")]
+
+
+@app.command()
+def status(job_id: JobArgument) -> None:
+    """A job's state, progress, per-rank health and, if it failed, why."""
+    from clusterfit.service.render import status_lines
+    from clusterfit.service.views import job_status
+
+    store = _store()
+    for line in status_lines(job_status(store, _job(store, job_id))):
+        console.print(line, markup=False, soft_wrap=True)
+
+
+@app.command()
+def show(job_id: JobArgument) -> None:
+    """Everything about a job: resolved spec, history, outputs, metrics, checkpoints."""
+    import yaml
+
+    from clusterfit.service.render import history_lines, status_lines
+    from clusterfit.service.views import job_details
+
+    store = _store()
+    details = job_details(store, _job(store, job_id))
+    for line in status_lines(details):
+        console.print(line, markup=False, soft_wrap=True)
+    console.print("history:", markup=False)
+    for line in history_lines(details):
+        console.print(line, markup=False, soft_wrap=True)
+    console.print(f"outputs: {details['outputs_dir']}", markup=False)
+    for path in details["model_files"]:
+        console.print(f"  model: {path}", markup=False)
+    for path in details["checkpoints"]:
+        console.print(f"  checkpoint: {path}", markup=False)
+    console.print(f"  metrics: {details['metrics_file']}  tensorboard: {details['tensorboard_dir']}", markup=False)
+    if details["summary"]:
+        console.print(f"summary: {json.dumps(details['summary'].get('epochs', []))}", markup=False, soft_wrap=True)
+    console.print("spec:", markup=False)
+    console.print(yaml.safe_dump(details["spec"], sort_keys=False), markup=False, end="")
+
+
+@app.command()
+def logs(
+    job_id: JobArgument,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
+    rank: Annotated[Optional[int], typer.Option(min=0, help="Only this rank's log.")] = None,  # noqa: UP045
+) -> None:
+    """Every rank's log merged, each line labelled with its rank and node; -f follows it live."""
+    import time
+
+    from clusterfit.monitoring.logtail import LOG_DIR, LogFollower
+    from clusterfit.service.records import read_heartbeats
+
+    store = _store()
+    job = _job(store, job_id)
+
+    def node_of(rank_number: int) -> str | None:
+        beat = read_heartbeats(job.outputs_dir).get(rank_number)
+        return beat.host if beat else None
+
+    follower = LogFollower(
+        Path(job.outputs_dir) / LOG_DIR, from_start=True, ranks=None if rank is None else {rank}, node_of=node_of
+    )
+    while True:
+        ended = store.get(job.id).job_state.is_terminal
+        for line in follower.drain() if ended or not follow else follower.poll():
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if ended or not follow:
+            return
+        time.sleep(0.5)
+        _job(store, job.id)  # reconcile: a dead job's follower must end too
+
+
+@app.command()
+def cancel(
+    job_id: JobArgument,
+    wait: Annotated[float, typer.Option(min=0, help="Seconds to wait for every process to stop.")] = 60.0,
+) -> None:
+    """Stop every process of a job and mark it CANCELLED; a queued job never starts."""
+    import time
+
+    from clusterfit.service.scheduler import schedule
+    from clusterfit.service.states import FailureCause, IllegalTransition, JobState
+    from clusterfit.service.store import StateConflict
+
+    store = _store()
+    job = _job(store, job_id)
+    if job.job_state.is_terminal:
+        raise _fail(f"job {job.id} already ended {job.state}; nothing to cancel")
+    store.request_cancel(job.id)
+    if job.job_state is JobState.QUEUED:
+        # If it was started meanwhile, its supervisor sees the request instead.
+        with contextlib.suppress(StateConflict, IllegalTransition):
+            store.transition(
+                job.id, JobState.CANCELLED, "cancelled by user while queued", cause=FailureCause.CANCELLED.value
+            )
+    deadline = time.monotonic() + wait
+    while not (job := _job(store, job.id)).job_state.is_terminal:
+        if time.monotonic() > deadline:
+            raise _fail(
+                f"job {job.id} is still {job.state} after {wait:g} s; run `clusterfit cancel {job.id}` again", 1
+            )
+        time.sleep(0.2)
+    schedule(store)
+    console.print(f"job {job.id} {job.state}", markup=False)
 
 
 @app.command()

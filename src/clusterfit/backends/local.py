@@ -73,7 +73,7 @@ class LocalRun:
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process
         # The agent leads its own session, so its pid is also the process group of every worker.
-        self.ref = EngineRef("local", str(process.pid), {"start_time": _start_time(process.pid) or ""})
+        self.ref = EngineRef("local", str(process.pid), {"start_time": process_start_time(process.pid) or ""})
 
     def poll(self) -> int | None:
         return self.process.poll()
@@ -101,7 +101,7 @@ def _stop_group(pgid: int, wait: Callable[[float], None]) -> None:
         os.killpg(pgid, signal.SIGKILL)  # also reaps workers that outlived the agent
 
 
-def _start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
     """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -118,7 +118,7 @@ def _group_alive(ref: EngineRef) -> bool:
         return False
     except PermissionError:
         return True
-    leader_start = _start_time(pgid)
+    leader_start = process_start_time(pgid)
     # The leader may be gone while workers of its group live on; a different start time means a reused pid.
     return leader_start is None or not ref.extra.get("start_time") or leader_start == ref.extra["start_time"]
 

@@ -146,7 +146,7 @@ class RayBackend:
         if not ready:
             remove_placement_group(group)
             alive = sum(1 for node in ray.nodes() if node.get("Alive"))
-            raise SpecError(
+            raise RuntimeError(
                 f"resources.instance_count = {nodes}: the Ray cluster at {cluster_address(spec)} did not offer "
                 f"{nodes} separate nodes with {{CPU: {bundle(spec)['CPU']:g}}} free within "
                 f"{_PLACEMENT_TIMEOUT_S:.0f} s ({alive} node(s) alive); lower instance_count or "
@@ -186,7 +186,7 @@ class RayBackend:
         except Exception as exc:
             run.cancel()
             cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the actor's own exception
-            if isinstance(cause, SpecError):
+            if isinstance(cause, (SpecError, OSError)):
                 raise cause from None
             raise
         return run
@@ -232,6 +232,7 @@ class RayRun:
     def cancel(self) -> None:
         if self._exit_code is None:
             _tear_down(self._ray, self.ref.id, self._actors)
+            self._exit_code = -signal.SIGTERM  # what a cancelled agent reports on every other engine
 
 
 @dataclass(frozen=True)
@@ -381,7 +382,7 @@ def _connect(address: str) -> Any:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
         except Exception as exc:  # Ray raises ConnectionError, RuntimeError or its own types here
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise SpecError(
+            raise ConnectionError(
                 f"resources.ray_address = {address!r}: cannot join a Ray cluster there ({reason}); start one with "
                 "`ray start --head`, set resources.ray_address or RAY_ADDRESS, and RAY_AUTH_TOKEN if it uses tokens"
             ) from None
@@ -399,7 +400,7 @@ def _check_reachable(address: str) -> None:
             return
     except (OSError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
-    raise SpecError(
+    raise ConnectionError(
         f"resources.ray_address = {address!r}: no Ray cluster answers there ({reason}); start one with "
         "`ray start --head`, or set resources.ray_address or RAY_ADDRESS to its host:port"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -27,8 +28,17 @@ class _OpenLog:
 class LogFollower:
     """Yields complete new lines of `<log_dir>/rank-N.log` (reopened when a restart rotates it) and agent.log."""
 
-    def __init__(self, log_dir: Path, from_start: bool = False) -> None:
+    def __init__(
+        self,
+        log_dir: Path,
+        from_start: bool = False,
+        *,
+        ranks: set[int] | None = None,
+        node_of: Callable[[int], str | None] | None = None,
+    ) -> None:
         self.log_dir = log_dir
+        self.ranks = ranks  # None: every rank and the agent; else only these ranks
+        self.node_of = node_of  # rank -> host, to label lines "rank1@host" when known
         self._open: dict[str, _OpenLog] = {}
         if not from_start:  # skip what earlier runs wrote; rotation gives new files anyway
             for name, path in self._current_files().items():
@@ -37,7 +47,7 @@ class LogFollower:
     def poll(self) -> list[str]:
         lines: list[str] = []
         for name, path in sorted(self._current_files().items(), key=lambda item: _order(item[0])):
-            label = f"[{_label(name)}] "
+            label = f"[{self._label(name)}] "
             entry = self._open.get(name)
             if entry is not None and _inode(path) != entry.inode:  # rotated: finish the old file first
                 lines += [label + line for line in self._read(entry, final=True)]
@@ -52,7 +62,7 @@ class LogFollower:
         """Everything left, including a last line without a newline; then close the files."""
         lines = self.poll()
         for name, entry in self._open.items():
-            lines += [f"[{_label(name)}] {line}" for line in self._read(entry, final=True)]
+            lines += [f"[{self._label(name)}] {line}" for line in self._read(entry, final=True)]
             entry.file.close()
         self._open.clear()
         return lines
@@ -60,7 +70,20 @@ class LogFollower:
     def _current_files(self) -> dict[str, Path]:
         if not self.log_dir.is_dir():
             return {}
-        return {p.name: p for p in self.log_dir.iterdir() if _CURRENT_RANK_LOG.match(p.name) or p.name == AGENT_LOG}
+        return {p.name: p for p in self.log_dir.iterdir() if self._wanted(p.name)}
+
+    def _wanted(self, name: str) -> bool:
+        match = _CURRENT_RANK_LOG.match(name)
+        if self.ranks is None:
+            return bool(match) or name == AGENT_LOG
+        return bool(match) and int(match.group(1)) in self.ranks
+
+    def _label(self, name: str) -> str:
+        match = _CURRENT_RANK_LOG.match(name)
+        if not match:
+            return "torchrun"
+        node = self.node_of(int(match.group(1))) if self.node_of else None
+        return f"rank{match.group(1)}@{node}" if node else f"rank{match.group(1)}"
 
     @staticmethod
     def _open_at(path: Path, end: bool) -> _OpenLog:
@@ -82,11 +105,6 @@ def _inode(path: Path) -> int | None:
         return path.stat().st_ino
     except FileNotFoundError:
         return None
-
-
-def _label(name: str) -> str:
-    match = _CURRENT_RANK_LOG.match(name)
-    return f"rank{match.group(1)}" if match else "torchrun"
 
 
 def _order(name: str) -> int:

@@ -4,18 +4,14 @@ rank 0's metrics.jsonl, both read from the outputs folder so it works the same f
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from clusterfit.backends.base import RunHandle
 from clusterfit.monitoring.logtail import LOG_DIR, LogFollower
 from clusterfit.monitoring.sinks import METRICS_FILE
-
-_POLL_S = 0.2
 
 
 class MetricsTail:
@@ -38,36 +34,37 @@ class MetricsTail:
         return [json.loads(line) for line in lines if line.strip()]
 
 
-class JobWatch:
-    """Opened before the job starts, so it shows everything this run writes and nothing of earlier runs."""
+class LiveView:
+    """The foreground display of a running job: every rank's labelled log lines and a progress bar fed by
+    rank 0's metrics. Opened before the job starts, so it shows what this run writes and nothing older."""
 
-    def __init__(self, outputs_dir: Path) -> None:
+    def __init__(self, outputs_dir: Path, console: Console) -> None:
         self.logs = LogFollower(outputs_dir / LOG_DIR)
         self.metrics = MetricsTail(outputs_dir / METRICS_FILE)
+        columns = (
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[stats]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
+        self.bar = Progress(*columns, console=console)
+        self.task = self.bar.add_task("starting", total=None, stats="")
 
+    def __enter__(self) -> LiveView:
+        self.bar.__enter__()
+        return self
 
-def follow(handle: RunHandle, watch: JobWatch, console: Console) -> int:
-    """Print the job's log lines and a progress bar until it ends; returns its exit code."""
-    logs, metrics = watch.logs, watch.metrics
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[stats]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("starting", total=None, stats="")
-        while True:
-            code = handle.poll()
-            for line in logs.drain() if code is not None else logs.poll():
-                bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
-            for record in metrics.read_new():
-                _update(bar, task, record)
-            if code is not None:
-                return code
-            time.sleep(_POLL_S)
+    def __exit__(self, *exc: object) -> None:
+        self.tick(final=True)
+        self.bar.__exit__(None, None, None)
+
+    def tick(self, final: bool = False) -> None:
+        for line in self.logs.drain() if final else self.logs.poll():
+            self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+        for record in self.metrics.read_new():
+            _update(self.bar, self.task, record)
 
 
 def _update(bar: Progress, task: Any, record: dict[str, Any]) -> None:

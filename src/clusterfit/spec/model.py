@@ -190,6 +190,9 @@ class LimitsSpec(_Strict):
     hang_timeout: int = Field(
         1800, ge=5, description="seconds without a training step on any rank before the job counts as hung"
     )
+    collective_timeout: int = Field(
+        600, ge=5, description="seconds a rank waits in one collective (all-reduce, barrier) before it fails"
+    )
 
 
 class QueueSettingsSpec(_Strict):

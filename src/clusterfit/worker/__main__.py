@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -13,6 +14,7 @@ from clusterfit.backends.rank_logs import RANK_LOG_ENV
 from clusterfit.data.staging import stage_inputs
 from clusterfit.spec import load_spec
 from clusterfit.worker.dist import read_dist_env, shutdown_distributed
+from clusterfit.worker.heartbeat import Heartbeat
 from clusterfit.worker.train import train
 
 
@@ -30,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         # Inputs at URLs are copied to this node first (one rank copies, the others wait), so the trainer
         # only ever sees local paths.
         run_token = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getppid()))
-        spec = stage_inputs(load_spec(args.spec), run_token, log=logging.getLogger("clusterfit.data").info)
-        train(spec, read_dist_env())
+        spec = load_spec(args.spec)
+        env = read_dist_env()
+        Heartbeat(Path(spec.outputs.dir), env.rank, spec.limits.hang_timeout, 0).beat("staging", 0, force=True)
+        spec = stage_inputs(spec, run_token, log=logging.getLogger("clusterfit.data").info)
+        train(spec, env)
     finally:
         shutdown_distributed()
     return 0

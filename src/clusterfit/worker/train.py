@@ -26,6 +26,8 @@ from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_r
 from clusterfit.worker.dist import DistEnv, all_reduce_sum, init_distributed, pick_device
 from clusterfit.worker.evaluate import evaluate
 from clusterfit.worker.export import export_model
+from clusterfit.worker.faults import fault_from_env
+from clusterfit.worker.heartbeat import TRAINING, Heartbeat
 from clusterfit.worker.inputs import InputWatch
 from clusterfit.worker.manifest import CHECKPOINT_DIR
 from clusterfit.worker.optim import build_optimizer, build_schedule, scaled_lr
@@ -90,7 +92,7 @@ class Trainer:
         self.spec, self.env, self.cfg = spec, env, spec.trainer
         self.out = Path(spec.outputs.dir)
         self.device = pick_device(env)
-        init_distributed(env, self.device)
+        init_distributed(env, self.device, spec.limits.collective_timeout)
         log.info(
             "rank %d of %d (local rank %d) on %s, %d CPU threads, pid %d",
             env.rank,
@@ -141,6 +143,8 @@ class Trainer:
             env=env,
         )
         self.sinks = open_metric_sinks(self.out, env.is_main)
+        self.heartbeat = Heartbeat(self.out, env.rank, spec.limits.hang_timeout, self.cfg.batch_size)
+        self.fault = fault_from_env()
 
     def run(self) -> dict[str, Any] | None:
         cfg, progress = self.cfg, self.progress
@@ -174,15 +178,18 @@ class Trainer:
         while progress.epoch < cfg.epochs:
             record = self._train_epoch()
             if self.val_loader is not None:
+                self.heartbeat.beat("validating", progress.global_step, force=True)
                 record.update(self._validate())
             progress.history.append(record)
             progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
             self._save_checkpoint()
+        self.heartbeat.beat("exporting", progress.global_step, force=True)
         peak_memory = self._peak_memory_per_rank()  # measured before export adds its own copies
         full = self.strategy.full_state(self.optimizer)  # collective
         summary = self._export(full[0], peak_memory) if full is not None else None
         self.sinks.write({"kind": "end", "step": progress.global_step, "time": time.time()})
         self.sinks.close()
+        self.heartbeat.beat("done", progress.global_step, force=True)
         return summary
 
     def _train_epoch(self) -> dict[str, Any]:
@@ -204,6 +211,9 @@ class Trainer:
             interval.add(loss, data_wait)
             progress.step_in_epoch += 1
             progress.global_step += 1
+            self.heartbeat.beat(TRAINING, progress.global_step)
+            if self.fault:
+                self.fault.trigger(self.env.rank, progress.global_step)
             end_of_epoch = progress.step_in_epoch == self.steps_per_epoch
             if progress.global_step % self.cfg.log_every_steps == 0 or end_of_epoch:
                 self._log_interval(interval)

@@ -1,0 +1,205 @@
+"""Why an attempt failed, in words. Evidence is gathered from files every engine leaves in the outputs
+folder (torchrun's error files, the agent's log, the ranks' logs) plus the kernel's OOM-kill counter;
+`classify` is a pure function of that evidence, tested without any process."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from clusterfit.monitoring.logtail import AGENT_LOG
+from clusterfit.service.states import FailureCause
+
+_ERROR_FILE = re.compile(r"^rank-(\d+)\.error\.json$")
+_RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
+# torchrun's failure summary: "rank    : 1 (local_rank: 1)" then "exitcode  : -9 (pid: 123)", or one line
+# "rank: 1 (local_rank: 1), exitcode: -9 (pid: 123)" depending on the version.
+_AGENT_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
+_AGENT_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+_TAIL_LINES = 40
+_TRACEBACK_LINES = 6
+
+_SHM = re.compile(
+    r"(/dev/shm|shared memory|unable to (write to file|allocate) .*shm|Bus error|"
+    r"DataLoader worker \(pid \d+\) is killed by signal: Bus error)",
+    re.IGNORECASE,
+)
+_COLLECTIVE_TIMEOUT = re.compile(
+    r"(Watchdog caught collective operation timeout|NCCL.*timeout|Timed out waiting .*for.*(recv|send|collective)|"
+    r"\[Gloo\].*[Tt]imed out|gloo.*Timed out|DistBackendError.*[Tt]imed? ?out)",
+)
+_RENDEZVOUS_LOST = re.compile(r"(RendezvousClosedError|RendezvousTimeoutError|RendezvousConnectionError|node .* lost)")
+
+
+@dataclass(frozen=True)
+class RankException:
+    rank: int
+    message: str
+    traceback_tail: tuple[str, ...]
+    timestamp: int = 0
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What one failed attempt left behind."""
+
+    exit_code: int | None  # the engine's (the agent's) exit code
+    exceptions: tuple[RankException, ...] = ()  # from torchrun's per-rank error files, oldest first
+    rank_exits: dict[int, int] = field(default_factory=dict)  # rank -> exit code, from the agent's summary
+    log_tails: dict[int, tuple[str, ...]] = field(default_factory=dict)  # rank -> last lines of its log
+    agent_tail: tuple[str, ...] = ()
+    root_rank: int | None = None  # the first failure torchrun observed ("Root Cause" in its summary)
+    oom_kills: int = 0  # OOM kills the kernel counted on this node during the attempt
+
+
+@dataclass(frozen=True)
+class Failure:
+    cause: FailureCause
+    summary: str  # one line
+    detail: str = ""  # e.g. the last lines of a traceback
+
+    def text(self) -> str:
+        return f"{self.summary}\n{self.detail}".rstrip()
+
+
+def classify(evidence: Evidence) -> Failure:
+    """The most specific cause the evidence supports; the first failing rank is the root cause."""
+    for rank, lines in sorted(evidence.log_tails.items()):
+        if any(_SHM.search(line) for line in lines):
+            hint = "raise the container's /dev/shm (e.g. docker --shm-size=8g) or set trainer.data.loader_workers: 0"
+            return Failure(FailureCause.SHM, f"rank {rank}: out of shared memory (/dev/shm); {hint}")
+    for rank, lines in sorted(evidence.log_tails.items()):
+        hits = [line for line in lines if _COLLECTIVE_TIMEOUT.search(line)]
+        if hits:
+            return Failure(
+                FailureCause.COLLECTIVE_TIMEOUT,
+                f"rank {rank}: a collective timed out; another rank stopped taking part",
+                hits[-1].strip(),
+            )
+    root_code = evidence.rank_exits.get(evidence.root_rank) if evidence.root_rank is not None else None
+    if root_code is not None and root_code < 0:  # the others' errors ("connection reset") only follow from it
+        return _killed(evidence.root_rank, root_code, evidence.oom_kills)  # type: ignore[arg-type]
+    if evidence.exceptions:
+        first = next((e for e in evidence.exceptions if e.rank == evidence.root_rank), evidence.exceptions[0])
+        return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
+    signalled = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code < 0}
+    if signalled:
+        return _killed(*next(iter(signalled.items())), evidence.oom_kills)
+    if any(_RENDEZVOUS_LOST.search(line) for line in evidence.agent_tail):
+        return Failure(FailureCause.NODE_LOST, "a node left the rendezvous (its agent or machine is gone)")
+    failed = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code != 0}
+    if failed:
+        rank, code = next(iter(failed.items()))
+        return Failure(FailureCause.EXIT_CODE, f"rank {rank} exited with code {code}", _last(evidence, rank))
+    if evidence.exit_code is not None and evidence.exit_code < 0:
+        return Failure(FailureCause.SIGNAL, f"the job's agent was killed by {_signal_name(-evidence.exit_code)}")
+    return Failure(FailureCause.EXIT_CODE, f"the job exited with code {evidence.exit_code}")
+
+
+def _killed(rank: int, code: int, oom_kills: int) -> Failure:
+    if code == -signal.SIGKILL and oom_kills > 0:
+        return Failure(
+            FailureCause.OOM,
+            f"rank {rank} killed by the kernel's OOM killer ({oom_kills} OOM kill(s) on the node); "
+            "lower trainer.batch_size or trainer.data.loader_workers, or use more memory",
+        )
+    who = " (by another process or the OOM killer; the kernel counted no OOM kill)" if code == -signal.SIGKILL else ""
+    return Failure(FailureCause.SIGNAL, f"rank {rank} killed by {_signal_name(-code)}{who}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return f"{signal.Signals(number).name} (signal {number})"
+    except ValueError:
+        return f"signal {number}"
+
+
+def _last(evidence: Evidence, rank: int) -> str:
+    lines = [line for line in evidence.log_tails.get(rank, ()) if line.strip()]
+    return "\n".join(lines[-_TRACEBACK_LINES:])
+
+
+def gather_evidence(log_dir: Path, exit_code: int | None, oom_kills: int = 0) -> Evidence:
+    exits, root_rank = _agent_rank_exits(log_dir / AGENT_LOG)
+    return Evidence(
+        exit_code=exit_code,
+        exceptions=tuple(_exceptions(log_dir)),
+        rank_exits=exits,
+        root_rank=root_rank,
+        log_tails={
+            int(match.group(1)): tuple(tail_lines(path, _TAIL_LINES))
+            for path in (log_dir.iterdir() if log_dir.is_dir() else [])
+            if (match := _RANK_LOG.match(path.name))
+        },
+        agent_tail=tuple(tail_lines(log_dir / AGENT_LOG, _TAIL_LINES)),
+        oom_kills=oom_kills,
+    )
+
+
+def tail_lines(path: Path, count: int, max_bytes: int = 64 * 1024) -> list[str]:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read().decode(errors="replace")
+    except OSError:
+        return []
+    return data.splitlines()[-count:]
+
+
+def _exceptions(log_dir: Path) -> list[RankException]:
+    found: list[RankException] = []
+    for path in log_dir.glob("rank-*.error.json") if log_dir.is_dir() else []:
+        match = _ERROR_FILE.match(path.name)
+        try:
+            record = json.loads(path.read_text())["message"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if not match or not isinstance(record, dict):
+            continue
+        message = " ".join(str(record.get("message", "")).split())
+        extra = record.get("extraInfo", {}) or {}
+        stack = [line for line in str(extra.get("py_callstack", "")).splitlines() if line.strip()]
+        found.append(
+            RankException(
+                int(match.group(1)), message, tuple(stack[-_TRACEBACK_LINES:]), int(extra.get("timestamp", 0))
+            )
+        )
+    return sorted(found, key=lambda e: (e.timestamp, e.rank))
+
+
+def _agent_rank_exits(agent_log: Path) -> tuple[dict[int, int], int | None]:
+    """rank -> exit code from the failure summary torchrun prints when workers fail, and the rank it names
+    as the root cause (the first failure it observed)."""
+    exits: dict[int, int] = {}
+    rank: int | None = None
+    root_rank: int | None = None
+    in_root_section = False
+    for line in tail_lines(agent_log, 400):
+        if "Root Cause" in line:
+            in_root_section, root_rank = True, None
+        rank_match = _AGENT_RANK.search(line)
+        if rank_match:
+            rank = int(rank_match.group(1))
+            if in_root_section and root_rank is None:
+                root_rank = rank
+        exit_match = _AGENT_EXIT.search(line)
+        if exit_match and rank is not None:
+            exits[rank] = int(exit_match.group(1))
+            rank = None
+    return exits, root_rank
+
+
+def oom_kill_count() -> int:
+    """The kernel's count of OOM kills on this machine since boot (0 where it cannot be read)."""
+    try:
+        for line in Path("/proc/vmstat").read_text().splitlines():
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0

@@ -1,0 +1,33 @@
+"""Where the job service keeps its state on this machine: `$CLUSTERFIT_HOME`, else `~/.clusterfit`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+HOME_ENV = "CLUSTERFIT_HOME"
+DATABASE_ENV = "CLUSTERFIT_DATABASE_URL"  # e.g. postgresql+psycopg://user@host/clusterfit
+SERVER_ENV = "CLUSTERFIT_SERVER"
+TOKEN_ENV = "CLUSTERFIT_TOKEN"
+CAPACITY_ENV = "CLUSTERFIT_CAPACITY"  # local slots; default: the cores (or GPUs) of this machine
+
+
+def service_home() -> Path:
+    home = Path(os.environ.get(HOME_ENV) or Path.home() / ".clusterfit").expanduser()
+    home.mkdir(parents=True, exist_ok=True)
+    return home
+
+
+def database_url() -> str:
+    return os.environ.get(DATABASE_ENV) or f"sqlite:///{service_home() / 'jobs.db'}"
+
+
+def local_capacity() -> int:
+    """Slots for local jobs: one per GPU where there are GPUs, else one per core; a job takes one per rank."""
+    configured = os.environ.get(CAPACITY_ENV)
+    if configured:
+        return max(1, int(configured))
+    gpus = [name for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
+    if not gpus and Path("/proc/driver/nvidia/gpus").is_dir():
+        gpus = list(Path("/proc/driver/nvidia/gpus").iterdir())
+    return len(gpus) or len(os.sched_getaffinity(0))

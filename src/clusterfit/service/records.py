@@ -1,0 +1,97 @@
+"""Between a job spec and its record: what is stored (the resolved spec, never its secrets), where the
+secrets wait until the job runs, and what the ranks' heartbeats say about it."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from pydantic import SecretStr
+
+from clusterfit.backends.torchrun import resolved_spec_text
+from clusterfit.service.home import service_home
+from clusterfit.service.store import Job, JobStore
+from clusterfit.spec import JobSpec, validate_spec
+from clusterfit.worker.heartbeat import HEARTBEAT_DIR, TRAINING
+
+_SECRETS_DIR = "secrets"
+
+
+def record_job(store: JobStore, spec: JobSpec, owner: str = "") -> Job:
+    """A validated spec becomes a QUEUED job; its SAS token (if any) waits in a file only its owner can read."""
+    job = store.add_job(
+        name=spec.name,
+        backend=spec.resources.backend,
+        ranks=spec.world_size,
+        outputs_dir=str(Path(spec.outputs.dir).resolve()),
+        spec_yaml=resolved_spec_text(spec),
+        priority=spec.queue_settings.priority,
+        max_retries=spec.limits.max_retries,
+        owner=owner,
+    )
+    if spec.storage.sas_token is not None:
+        path = _secret_path(job.id)
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"sas_token": spec.storage.sas_token.get_secret_value()}, f)
+    return job
+
+
+def spec_of(job: Job) -> JobSpec:
+    """The job's spec as recorded (outputs.dir absolute), with its secrets put back."""
+    spec = validate_spec(yaml.safe_load(job.spec_yaml), source=f"job {job.id}")
+    spec = spec.model_copy(update={"outputs": spec.outputs.model_copy(update={"dir": job.outputs_dir})})
+    secret = _secret_path(job.id)
+    if secret.exists():
+        token = json.loads(secret.read_text())["sas_token"]
+        spec = spec.model_copy(update={"storage": spec.storage.model_copy(update={"sas_token": SecretStr(token)})})
+    return spec
+
+
+def forget_secrets(job_id: str) -> None:
+    _secret_path(job_id).unlink(missing_ok=True)
+
+
+def _secret_path(job_id: str) -> Path:
+    return service_home() / _SECRETS_DIR / f"{job_id}.json"
+
+
+@dataclass(frozen=True)
+class RankBeat:
+    rank: int
+    phase: str
+    step: int
+    time: float
+    images_per_s: float | None
+    pid: int
+    host: str
+    attempt: int
+
+    @property
+    def training(self) -> bool:
+        return self.phase == TRAINING
+
+
+def read_heartbeats(outputs_dir: str | Path, attempt: int | None = None) -> dict[int, RankBeat]:
+    """rank -> its newest heartbeat (of `attempt` only, when given); unreadable files are skipped."""
+    beats: dict[int, RankBeat] = {}
+    folder = Path(outputs_dir) / HEARTBEAT_DIR
+    for path in folder.glob("rank-*.json") if folder.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+            beat = RankBeat(rank=int(path.stem.split("-", 1)[1]), **record)
+        except (OSError, ValueError, TypeError):
+            continue
+        if attempt is None or beat.attempt == attempt:
+            beats[beat.rank] = beat
+    return beats
+
+
+def clear_heartbeats(outputs_dir: str | Path) -> None:
+    folder = Path(outputs_dir) / HEARTBEAT_DIR
+    for path in folder.glob("rank-*.json") if folder.is_dir() else []:
+        path.unlink(missing_ok=True)

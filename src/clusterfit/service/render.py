@@ -1,0 +1,83 @@
+"""How the CLI prints the service's views (dicts from `views`), the same whether they came from the local
+store or from a server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from clusterfit.service.views import age
+
+_STATE_STYLE = {
+    "QUEUED": "cyan",
+    "STAGING": "blue",
+    "RUNNING": "green",
+    "RETRYING": "yellow",
+    "SUCCEEDED": "bold green",
+    "FAILED": "bold red",
+    "CANCELLED": "magenta",
+}
+
+
+def _progress(row: dict[str, Any]) -> str:
+    if row.get("step") is None:
+        return "-"
+    total = row.get("total_steps")
+    text = f"{row['step']}/{total}" if total else str(row["step"])
+    if total:
+        text += f" ({100 * row['step'] / total:.0f}%)"
+    return text
+
+
+def jobs_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(box=None, header_style="bold")
+    for column in ("id", "name", "state", "engine", "ranks", "progress", "images/s", "age"):
+        table.add_column(column, justify="right" if column in ("ranks", "images/s") else "left")
+    for row in rows:
+        rate = row.get("images_per_s")
+        table.add_row(
+            row["id"],
+            row["name"],
+            f"[{_STATE_STYLE.get(row['state'], '')}]{row['state']}[/]",
+            row["backend"],
+            str(row["ranks"]),
+            _progress(row),
+            "-" if rate is None else f"{rate:.1f}",
+            age(row["submitted_at"]),
+        )
+    return table
+
+
+def status_lines(status: dict[str, Any]) -> list[str]:
+    """Plain lines (no markup): what `clusterfit status` prints."""
+    attempts = f"attempt {status['attempt']} of {status['max_retries'] + 1}" if status["attempt"] else "not started"
+    lines = [
+        f"job {status['id']} ({status['name']}): {status['state']}, {attempts}",
+        f"engine {status['backend']}, {status['ranks']} rank(s), priority {status['priority']}, "
+        f"submitted {age(status['submitted_at'])} ago",
+    ]
+    if status.get("step") is not None:
+        parts = [f"step {_progress(status)}"]
+        if status.get("epoch"):
+            parts.append(f"epoch {status['epoch']}")
+        if status.get("images_per_s") is not None:
+            parts.append(f"{status['images_per_s']:.1f} images/s")
+        if status.get("loss") is not None:
+            parts.append(f"loss {status['loss']:.4f}")
+        lines.append("progress: " + ", ".join(parts))
+    for rank in status.get("ranks_health", []):
+        rate = "" if rank["images_per_s"] is None else f", {rank['images_per_s']:.1f} images/s"
+        lines.append(
+            f"  rank {rank['rank']} on {rank['host']} (pid {rank['pid']}): {rank['health']}, {rank['phase']} "
+            f"step {rank['step']}{rate}, last heartbeat {rank['seconds_since_heartbeat']:.0f} s ago"
+        )
+    if status.get("cause"):
+        lines.append(f"cause: {status['cause_words']} ({status['cause']})")
+        lines += [f"  {line}" for line in (status.get("cause_detail") or "").splitlines()]
+    lines.append(f"logs: {status['logs_dir']}  (clusterfit logs {status['id']})")
+    return lines
+
+
+def history_lines(status: dict[str, Any]) -> list[str]:
+    return [f"  {event['at'][:19]}  {event['state']:<9}  {event['message']}" for event in status["history"]]

@@ -1,0 +1,243 @@
+"""One process per running job: submits it to its engine, keeps its record truthful from what the engine
+and the ranks' heartbeats say, stops it on request or when it hangs, and retries it when the spec allows.
+
+`clusterfit run` supervises in the foreground (with a live view); the scheduler starts
+`python -m clusterfit.service.supervisor JOB_ID` as a detached process for submitted jobs."""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+
+from clusterfit.backends import RunHandle, get_backend
+from clusterfit.backends.local import process_start_time
+from clusterfit.launch import preflight
+from clusterfit.monitoring.logtail import LOG_DIR
+from clusterfit.monitoring.progress import MetricsTail
+from clusterfit.monitoring.sinks import METRICS_FILE
+from clusterfit.service.causes import Failure, classify, gather_evidence, oom_kill_count
+from clusterfit.service.records import RankBeat, clear_heartbeats, forget_secrets, read_heartbeats, spec_of
+from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
+from clusterfit.service.store import Job, JobStore, dump_json
+from clusterfit.spec import JobSpec, SpecError
+from clusterfit.worker.heartbeat import ATTEMPT_ENV
+
+SUPERVISOR_LOG = "supervisor.log"
+_RECORD_EVERY_S = 2.0  # progress written to the store at most this often; also the supervisor's liveness
+_HANG_GRACE_S = 3.0  # after a hang is seen, time for every rank's stack dump to reach its log
+
+
+class Outcome(enum.Enum):
+    SUCCEEDED = "succeeded"
+    CANCELLED = "cancelled"
+    HUNG = "hung"
+    FAILED = "failed"
+
+
+def this_supervisor() -> dict[str, str]:
+    return {"host": socket.gethostname(), "pid": str(os.getpid()), "start_time": process_start_time(os.getpid()) or ""}
+
+
+class Supervisor:
+    def __init__(
+        self,
+        store: JobStore,
+        job_id: str,
+        *,
+        poll_s: float = 1.0,
+        on_tick: Callable[[], None] | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.store, self.job_id = store, job_id
+        self.poll_s, self.on_tick, self.log = poll_s, on_tick, log
+
+    def run(self) -> Job:
+        """Run attempts until the job ends; returns its final record."""
+        job = self.store.get(self.job_id)
+        if job.job_state is JobState.QUEUED:  # `clusterfit run`: the foreground user is the scheduler
+            job = self.store.transition(job.id, JobState.STAGING, "started in the foreground")
+        self.store.update(job.id, supervisor=dump_json(this_supervisor()))
+        try:
+            while True:
+                attempt = job.attempt + 1
+                self.store.update(job.id, attempt=attempt, cause=None, cause_detail=None, engine_ref=None)
+                outcome, failure = self._attempt(job, attempt)
+                job = self._settle(job.id, attempt, outcome, failure)
+                if job.job_state.is_terminal:
+                    return job
+                job = self.store.transition(job.id, JobState.STAGING, f"attempt {attempt + 1}")
+        finally:
+            if self.store.get(self.job_id).job_state.is_terminal:
+                forget_secrets(self.job_id)
+
+    def _attempt(self, job: Job, attempt: int) -> tuple[Outcome, Failure | None]:
+        try:
+            spec = spec_of(job)
+            preflight(spec)  # again: data can vanish while a job waits in the queue
+        except SpecError as exc:
+            return Outcome.FAILED, Failure(FailureCause.BAD_SPEC, str(exc))
+        env = {**spec.environment_variables, ATTEMPT_ENV: str(attempt)}
+        spec = spec.model_copy(update={"environment_variables": env})
+        outputs = Path(spec.outputs.dir)
+        clear_heartbeats(outputs)
+        backend = get_backend(spec.resources.backend)
+        ooms_before = oom_kill_count()
+        self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
+        try:
+            handle = backend.submit(spec)
+        except SpecError as exc:
+            return Outcome.FAILED, Failure(FailureCause.BAD_SPEC, str(exc))
+        except (OSError, RuntimeError, ValueError) as exc:  # e.g. sbatch refused it, the cluster is unreachable
+            return Outcome.FAILED, Failure(FailureCause.ENGINE, f"{backend.name}: {exc}")
+        self.store.update(job.id, engine_ref=dump_json(asdict(handle.ref)))
+        try:
+            outcome, detail = self._watch(job.id, spec, attempt, handle)
+        except KeyboardInterrupt:
+            self.store.request_cancel(job.id)
+            handle.cancel()
+            outcome, detail = Outcome.CANCELLED, "interrupted in the foreground (Ctrl-C or SIGTERM)"
+        code = handle.poll()
+        if outcome is Outcome.CANCELLED:
+            return outcome, Failure(FailureCause.CANCELLED, f"cancelled by user: {detail}")
+        if outcome is Outcome.HUNG:
+            return outcome, Failure(FailureCause.HANG, detail)
+        if code == 0:
+            return Outcome.SUCCEEDED, None
+        evidence = gather_evidence(outputs / LOG_DIR, code, oom_kill_count() - ooms_before)
+        return Outcome.FAILED, classify(evidence)
+
+    def _watch(self, job_id: str, spec: JobSpec, attempt: int, handle: RunHandle) -> tuple[Outcome, str]:
+        outputs = Path(spec.outputs.dir)
+        metrics = MetricsTail(outputs / METRICS_FILE)
+        progress: dict[str, object] = {}
+        running = False
+        recorded_at = 0.0
+        while True:
+            code = handle.poll()
+            beats = read_heartbeats(outputs, attempt)
+            for record in metrics.read_new():
+                progress.update(_progress_fields(record))
+            if not running and any(beat.phase != "staging" for beat in beats.values()):
+                self.store.transition(job_id, JobState.RUNNING, f"attempt {attempt}: training started")
+                running = True
+            now = time.time()
+            if code is not None or now - recorded_at >= _RECORD_EVERY_S:
+                self._record_progress(job_id, progress, beats)
+                recorded_at = now
+            if self.on_tick:
+                self.on_tick()
+            if code is not None:
+                return Outcome.SUCCEEDED if code == 0 else Outcome.FAILED, ""
+            if self.store.get(job_id).cancel_requested_at is not None:
+                self.log(f"job {job_id}: cancel requested; stopping every process")
+                handle.cancel()
+                return Outcome.CANCELLED, f"at step {progress.get('step', 0)}"
+            hung = _hang(beats, spec.limits.hang_timeout, now) if running else None
+            if hung:
+                time.sleep(_HANG_GRACE_S)
+                self.log(f"job {job_id}: {hung}; stopping every process")
+                handle.cancel()
+                return Outcome.HUNG, hung
+            time.sleep(self.poll_s)
+
+    def _record_progress(self, job_id: str, progress: dict[str, object], beats: dict[int, RankBeat]) -> None:
+        newest = max((beat.time for beat in beats.values()), default=None)
+        fields = dict(progress)
+        # Heartbeats arrive every second, metrics only every log_every_steps: the step is the newer of both.
+        beat_step = max((beat.step for beat in beats.values()), default=None)
+        if beat_step is not None and beat_step > int(fields.get("step") or 0):  # type: ignore[call-overload]
+            fields["step"] = beat_step
+        if newest is not None:
+            fields["heartbeat_at"] = datetime.fromtimestamp(newest, timezone.utc)
+        self.store.update(job_id, **fields)
+
+    def _settle(self, job_id: str, attempt: int, outcome: Outcome, failure: Failure | None) -> Job:
+        if outcome is Outcome.SUCCEEDED:
+            return self.store.transition(job_id, JobState.SUCCEEDED, f"attempt {attempt} succeeded")
+        assert failure is not None
+        fields = {"cause": failure.cause.value, "cause_detail": failure.text()}
+        if outcome is Outcome.CANCELLED:
+            return self.store.transition(job_id, JobState.CANCELLED, failure.summary, **fields)
+        job = self.store.get(job_id)
+        decision = decide_after_failure(failure.cause, attempt, job.max_retries)
+        self.log(f"job {job_id} attempt {attempt} failed: {failure.cause.words}: {failure.summary}. {decision.reason}")
+        if decision.decision is Decision.RETRY and job.cancel_requested_at is None:
+            return self.store.transition(job_id, JobState.RETRYING, f"{failure.summary}; {decision.reason}", **fields)
+        return self.store.transition(job_id, JobState.FAILED, failure.summary, **fields)
+
+
+def _progress_fields(record: dict) -> dict[str, object]:
+    kind = record.get("kind")
+    if kind == "start":
+        return {"total_steps": record.get("total_steps"), "step": record.get("step")}
+    if kind == "train":
+        return {
+            "step": record["step"],
+            "epoch": record.get("epoch"),
+            "total_steps": record.get("total_steps"),
+            "images_per_s": record.get("images_per_s"),
+            "loss": record.get("loss"),
+        }
+    if kind == "end":
+        return {"step": record["step"]}
+    return {}
+
+
+def _hang(beats: dict[int, RankBeat], hang_timeout: float, now: float) -> str | None:
+    """A hang: every rank is in the training phase and none has written a heartbeat for hang_timeout."""
+    if not beats or not all(beat.training for beat in beats.values()):
+        return None
+    newest = max(beat.time for beat in beats.values())
+    # The ranks' own faulthandler timers fire at hang_timeout + 1 s after their last beat.
+    if now - newest < hang_timeout + 1.0:
+        return None
+    steps = {beat.step for beat in beats.values()}
+    if len(steps) > 1:
+        stalest = min(beats.values(), key=lambda beat: (beat.step, beat.time))
+        where = f"rank {stalest.rank} is furthest behind at step {stalest.step}"
+    else:
+        where = f"every rank last reported step {steps.pop()}"
+    logs = ", ".join(f"{LOG_DIR}/rank-{rank}.log" for rank in sorted(beats))
+    return (
+        f"no training step on any rank for {now - newest:.0f} s (limits.hang_timeout = {hang_timeout:g} s); "
+        f"{where}; the Python stacks of every thread of every rank are in {logs}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Detached supervisor started by the scheduler: `python -m clusterfit.service.supervisor JOB_ID`."""
+    from clusterfit.service.migrate import open_store
+    from clusterfit.service.scheduler import schedule
+
+    job_id = (argv or sys.argv[1:])[0]
+    if os.fork() > 0:  # detach: the starter reaps this parent at once and never leaves a zombie
+        os._exit(0)
+    os.setsid()
+    store = open_store()
+    job = store.get(job_id)
+    log_dir = Path(job.outputs_dir) / LOG_DIR
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with open(log_dir / SUPERVISOR_LOG, "a", buffering=1) as out:
+        os.dup2(out.fileno(), sys.stdout.fileno())
+        os.dup2(out.fileno(), sys.stderr.fileno())
+
+        def stamped(message: str) -> None:
+            print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+        try:
+            final = Supervisor(store, job_id, log=stamped).run()
+            stamped(f"job {job_id} ended {final.state}")
+        finally:
+            schedule(store)  # this job's slots are free: start whatever waits for them
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

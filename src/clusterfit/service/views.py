@@ -1,0 +1,134 @@
+"""What users see of a job, as plain JSON-able dicts: the same for the CLI, the HTTP API and the dashboard."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from clusterfit.monitoring.logtail import LOG_DIR
+from clusterfit.service.records import read_heartbeats
+from clusterfit.service.states import FailureCause, JobState
+from clusterfit.service.store import Job, JobStore, utcnow
+from clusterfit.worker.manifest import CHECKPOINT_DIR, published
+
+_STALE_BEAT_S = 30.0  # a rank silent this long while its job runs is flagged
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value else None
+
+
+def job_row(job: Job) -> dict[str, Any]:
+    """One line of `clusterfit list` / the dashboard's table."""
+    return {
+        "id": job.id,
+        "name": job.name,
+        "state": job.state,
+        "backend": job.backend,
+        "ranks": job.ranks,
+        "priority": job.priority,
+        "attempt": job.attempt,
+        "max_retries": job.max_retries,
+        "step": job.step,
+        "total_steps": job.total_steps,
+        "epoch": job.epoch,
+        "images_per_s": job.images_per_s,
+        "loss": job.loss,
+        "submitted_at": _iso(job.submitted_at),
+        "started_at": _iso(job.started_at),
+        "ended_at": _iso(job.ended_at),
+        "cause": job.cause,
+        "cause_words": FailureCause(job.cause).words if job.cause else None,
+        "cause_detail": job.cause_detail,
+        "owner": job.owner,
+    }
+
+
+def rank_health(job: Job) -> list[dict[str, Any]]:
+    """Each rank's newest heartbeat of the current attempt and how old it is."""
+    now = time.time()
+    rows = []
+    for rank, beat in sorted(read_heartbeats(job.outputs_dir, job.attempt or None).items()):
+        age = now - beat.time
+        if not job.job_state.is_active:
+            health = "ended"
+        elif age > _STALE_BEAT_S and beat.phase == "training":
+            health = "silent"
+        else:
+            health = "ok"
+        rows.append(
+            {
+                "rank": rank,
+                "host": beat.host,
+                "pid": beat.pid,
+                "phase": beat.phase,
+                "step": beat.step,
+                "images_per_s": beat.images_per_s,
+                "seconds_since_heartbeat": round(age, 1),
+                "health": health,
+            }
+        )
+    return rows
+
+
+def job_status(store: JobStore, job: Job) -> dict[str, Any]:
+    return {
+        **job_row(job),
+        "outputs_dir": job.outputs_dir,
+        "logs_dir": str(Path(job.outputs_dir) / LOG_DIR),
+        "ranks_health": rank_health(job),
+        "history": [
+            {"at": _iso(event.at), "state": event.state, "message": event.message} for event in store.events(job.id)
+        ],
+    }
+
+
+def job_details(store: JobStore, job: Job) -> dict[str, Any]:
+    """`clusterfit show`: the resolved spec, where everything went, the final metrics, the checkpoints."""
+    out = Path(job.outputs_dir)
+    summary_path = out / "summary.json"
+    model_dir = out / "model"
+    return {
+        **job_status(store, job),
+        "spec": yaml.safe_load(job.spec_yaml),
+        "summary": json.loads(summary_path.read_text()) if summary_path.exists() else None,
+        "model_files": sorted(str(path) for path in model_dir.iterdir()) if model_dir.is_dir() else [],
+        "checkpoints": [str(path) for path in published(out / CHECKPOINT_DIR)],
+        "metrics_file": str(out / "metrics.jsonl"),
+        "tensorboard_dir": str(out / "tensorboard"),
+    }
+
+
+def metrics_series(job: Job, limit: int = 2000) -> list[dict[str, Any]]:
+    """The job's training records (step, loss, images/s), for charts."""
+    path = Path(job.outputs_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("kind") in ("train", "val"):
+            records.append(record)
+    return records[-limit:]
+
+
+def age(value: str | None) -> str:
+    """'3 min ago' style, for tables."""
+    if not value:
+        return "-"
+    seconds = (utcnow() - datetime.fromisoformat(value)).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+ACTIVE_STATES = [state.value for state in JobState if state.is_active]

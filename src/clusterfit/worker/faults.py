@@ -1,0 +1,54 @@
+"""Deliberate failures, for testing how the job service reports and recovers from real ones.
+
+`CLUSTERFIT_FAULT=KIND:rank=R:step=S[:attempt=A]` in a worker's environment (through the spec's
+`environment_variables`) makes rank R, after training step S (of attempt A only, when given), do KIND:
+`raise` an exception, `hang` forever (sleeping, as a deadlocked rank would), or `exit` with code 3."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from clusterfit.worker.heartbeat import ATTEMPT_ENV
+
+FAULT_ENV = "CLUSTERFIT_FAULT"
+_KINDS = ("raise", "hang", "exit")
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int
+    attempt: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        kind, *fields = text.split(":")
+        values = dict(field.split("=", 1) for field in fields)
+        if kind not in _KINDS or not {"rank", "step"} <= values.keys():
+            raise ValueError(f"{FAULT_ENV}={text!r}: expected KIND:rank=R:step=S[:attempt=A], KIND one of {_KINDS}")
+        attempt = values.get("attempt")
+        return cls(kind, int(values["rank"]), int(values["step"]), int(attempt) if attempt else None)
+
+    def trigger(self, rank: int, step: int) -> None:
+        if rank != self.rank or step != self.step:
+            return
+        if self.attempt is not None and int(os.environ.get(ATTEMPT_ENV, "1")) != self.attempt:
+            return
+        if self.kind == "raise":
+            raise InjectedFault(f"injected failure on rank {rank} after step {step}")
+        if self.kind == "exit":
+            os._exit(3)
+        while True:  # hang
+            time.sleep(3600)
+
+
+def fault_from_env() -> Fault | None:
+    text = os.environ.get(FAULT_ENV)
+    return Fault.parse(text) if text else None

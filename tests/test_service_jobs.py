@@ -1,0 +1,212 @@
+"""The job service end to end, as a user types it: real supervisors, real torchrun workers, a real store.
+
+Each test submits a tiny job (resnet_tiny, 32 px, 2 ranks) and reads back what `clusterfit status`, `logs`
+and `show` say; failures are real (an exception, a sleeping rank, SIGKILL) through CLUSTERFIT_FAULT."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import cli_command, processes_mentioning, run_cli, tiny_job, wait_for, write_job
+
+from clusterfit.service.migrate import open_store
+from clusterfit.service.records import read_heartbeats
+
+
+def _submit(tmp_path: Path, name: str = "tiny", **changes: Any) -> tuple[str, Path]:
+    out = tmp_path / name
+    spec = tiny_job(out, **changes.pop("trainer", {}))
+    spec["name"] = name
+    spec.update(changes)
+    result = run_cli("submit", str(write_job(tmp_path / f"{name}.yaml", spec)))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip(), out
+
+
+def _state(job_id: str) -> str:
+    return open_store().get(job_id).state
+
+
+def _status(job_id: str) -> str:
+    result = run_cli("status", job_id)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def _ended(job_id: str, timeout: float = 180) -> str:
+    return wait_for(lambda: _state(job_id) in ("SUCCEEDED", "FAILED", "CANCELLED") and _state(job_id), timeout, "end")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_submitted_job_runs_to_success_and_is_shown(tmp_path: Path) -> None:
+    job_id, out = _submit(tmp_path)
+    assert len(job_id) == 10
+    follower = subprocess.Popen(cli_command("logs", job_id, "-f"), stdout=subprocess.PIPE, text=True)
+    followed, _ = follower.communicate(timeout=240)  # -f returns by itself once the job has ended
+    assert _state(job_id) == "SUCCEEDED", _status(job_id)
+    assert "exported" in followed and "[rank1@" in followed
+    assert (out / "model" / "model.safetensors").exists()
+    status = _status(job_id)
+    assert f"job {job_id} (tiny): SUCCEEDED, attempt 1 of 1" in status
+    assert "progress: step 4/4 (100%)" in status
+    assert "rank 1 on " in status
+    listing = run_cli("list").stdout
+    assert job_id in listing and "SUCCEEDED" in listing
+    show = run_cli("show", job_id).stdout
+    assert "QUEUED" in show and "STAGING" in show and "RUNNING" in show
+    assert "checkpoint: " in show and "model.safetensors" in show and "name: tiny" in show
+    logs = run_cli("logs", job_id).stdout.splitlines()
+    host = os.uname().nodename
+    assert any(line.startswith(f"[rank0@{host}] ") and "exported" in line for line in logs)
+    assert any(line.startswith(f"[rank1@{host}] ") for line in logs)
+    only_rank1 = run_cli("logs", job_id, "--rank", "1").stdout.splitlines()
+    assert only_rank1 and all(line.startswith(f"[rank1@{host}] ") for line in only_rank1)
+
+
+def test_cancel_mid_run_leaves_no_process(tmp_path: Path) -> None:
+    job_id, out = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
+    wait_for(lambda: _state(job_id) == "RUNNING", 180, "RUNNING")
+    job = open_store().get(job_id)
+    beats = wait_for(lambda: len(read_heartbeats(out)) == 2 and read_heartbeats(out), 60, "both heartbeats")
+    pids = [beat.pid for beat in beats.values()]
+    pids += [int(json.loads(job.engine_ref)["id"]), int(json.loads(job.supervisor)["pid"])]
+    assert all(_alive(pid) for pid in pids)
+    result = run_cli("cancel", job_id)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"job {job_id} CANCELLED"
+    wait_for(lambda: not any(_alive(pid) for pid in pids), 30, f"processes {pids} to end")
+    assert not processes_mentioning(str(out))
+    status = _status(job_id)
+    assert "CANCELLED" in status and "cause: cancelled by user (CANCELLED)" in status
+
+
+def test_a_rank_that_raises_fails_the_job_with_its_traceback(tmp_path: Path) -> None:
+    job_id, _ = _submit(tmp_path, environment_variables={"CLUSTERFIT_FAULT": "raise:rank=1:step=2"})
+    assert _ended(job_id) == "FAILED"
+    status = _status(job_id)
+    assert "cause: Python exception (EXCEPTION)" in status
+    assert "rank 1: InjectedFault: injected failure on rank 1 after step 2" in status
+    assert "faults.py" in status  # the last lines of the traceback
+
+
+def test_a_rank_that_sleeps_forever_is_a_hang_with_stacks_in_the_logs(tmp_path: Path) -> None:
+    job_id, out = _submit(
+        tmp_path,
+        trainer={"steps_per_epoch": 50},
+        environment_variables={"CLUSTERFIT_FAULT": "hang:rank=1:step=3"},
+        limits={"hang_timeout": 6},
+    )
+    assert _ended(job_id) == "FAILED"
+    status = _status(job_id)
+    assert "cause: hang: no progress (HANG)" in status
+    assert "no training step on any rank for" in status and "rank-1.log" in status
+    hung_log = (out / "logs" / "rank-1.log").read_text()
+    assert "most recent call first" in hung_log and "faults.py" in hung_log and "in trigger" in hung_log
+    assert "most recent call first" in (out / "logs" / "rank-0.log").read_text()  # the waiting rank too
+    assert not processes_mentioning(str(out))
+
+
+def test_a_collective_that_waits_too_long_is_named(tmp_path: Path) -> None:
+    job_id, out = _submit(
+        tmp_path,
+        trainer={"steps_per_epoch": 50},
+        environment_variables={"CLUSTERFIT_FAULT": "hang:rank=1:step=2"},
+        limits={"hang_timeout": 300, "collective_timeout": 5},
+    )
+    assert _ended(job_id) == "FAILED"
+    status = _status(job_id)
+    assert "cause: collective timeout (COLLECTIVE_TIMEOUT)" in status
+    assert "rank 0: a collective timed out; another rank stopped taking part" in status
+    assert not processes_mentioning(str(out))
+
+
+def test_a_rank_killed_by_sigkill_is_named(tmp_path: Path) -> None:
+    job_id, out = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
+    wait_for(lambda: _state(job_id) == "RUNNING", 180, "RUNNING")
+    beats = wait_for(lambda: len(read_heartbeats(out)) == 2 and read_heartbeats(out), 60, "both heartbeats")
+    os.kill(beats[1].pid, signal.SIGKILL)
+    assert _ended(job_id) == "FAILED"
+    status = _status(job_id)
+    assert "cause: killed by a signal (SIGNAL)" in status or "cause: killed by the OOM killer (OOM)" in status
+    assert "rank 1 killed by" in status
+
+
+def test_a_failed_attempt_is_retried_from_its_last_checkpoint(tmp_path: Path) -> None:
+    job_id, out = _submit(
+        tmp_path,
+        trainer={"steps_per_epoch": 6, "checkpoint": {"every_steps": 2}},
+        environment_variables={"CLUSTERFIT_FAULT": "raise:rank=0:step=3:attempt=1"},
+        limits={"max_retries": 1},
+    )
+    assert _ended(job_id) == "SUCCEEDED", _status(job_id)
+    assert "attempt 2 of 2" in _status(job_id)
+    history = run_cli("show", job_id).stdout
+    assert "RETRYING" in history and "attempt 1 of 2 failed; retrying from the last checkpoint" in history
+    assert "resuming from" in (out / "logs" / "rank-0.log").read_text()
+    assert "injected failure" in (out / "logs" / "rank-0.log.1").read_text()  # the failed attempt's log is kept
+
+
+def test_queued_jobs_start_by_priority_when_room_frees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLUSTERFIT_CAPACITY", "2")
+    first, _ = _submit(tmp_path, "first", trainer={"steps_per_epoch": 8})
+    low, _ = _submit(tmp_path, "low")
+    high, _ = _submit(tmp_path, "high", queue_settings={"priority": 10})
+    assert _state(low) == "QUEUED" and _state(high) == "QUEUED"  # 2 slots, both taken by `first`
+    for job_id in (first, low, high):
+        assert _ended(job_id, 300) == "SUCCEEDED", _status(job_id)
+    store = open_store()
+    started = {job_id: store.get(job_id).started_at for job_id in (first, low, high)}
+    assert started[first] < started[high] < started[low]
+    assert store.get(high).started_at >= store.get(first).ended_at
+
+
+def test_a_job_whose_supervisor_died_is_not_shown_running(tmp_path: Path) -> None:
+    job_id, out = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
+    wait_for(lambda: _state(job_id) == "RUNNING", 180, "RUNNING")
+    supervisor = int(json.loads(open_store().get(job_id).supervisor)["pid"])
+    os.kill(supervisor, signal.SIGKILL)
+    wait_for(lambda: not processes_mentioning(str(out)), 60, "the workers to stop with their supervisor")
+    status = _status(job_id)
+    assert "FAILED" in status and "cause: node lost (NODE_LOST)" in status
+    assert f"the process supervising this job (pid {supervisor} on" in status
+
+
+def test_a_bad_spec_is_refused_at_submit_and_nothing_is_recorded(tmp_path: Path) -> None:
+    spec = tiny_job(tmp_path / "out")
+    spec["trainer"]["epochs"] = 0
+    result = run_cli("submit", str(write_job(tmp_path / "job.yaml", spec)))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {tmp_path / 'job.yaml'}: trainer.epochs = 0: Input should be greater than or equal to 1"
+    ]
+    assert open_store().list_jobs() == []
+
+
+def test_data_gone_before_a_queued_job_starts_is_a_bad_spec(
+    tmp_path: Path, tiny_imagefolder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CLUSTERFIT_CAPACITY", "2")
+    blocker, _ = _submit(tmp_path, "blocker", trainer={"steps_per_epoch": 5000})
+    data = {"train": str(tiny_imagefolder / "train"), "image_size": 32, "num_classes": None}
+    waiting, _ = _submit(tmp_path, "waiting", trainer={"data": data})
+    assert _state(waiting) == "QUEUED"
+    shutil.rmtree(tiny_imagefolder / "train")
+    assert run_cli("cancel", blocker).returncode == 0
+    assert _ended(waiting) == "FAILED"
+    status = _status(waiting)
+    assert "cause: bad spec (BAD_SPEC)" in status and "no such folder" in status

@@ -1,0 +1,199 @@
+"""The job service's pure decisions: state transitions, retries, and failure causes from evidence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clusterfit.service.causes import Evidence, RankException, classify, gather_evidence
+from clusterfit.service.states import (
+    Decision,
+    FailureCause,
+    IllegalTransition,
+    JobState,
+    check_transition,
+    decide_after_failure,
+)
+
+Q, ST, R, RT, OK, F, C = (
+    JobState.QUEUED,
+    JobState.STAGING,
+    JobState.RUNNING,
+    JobState.RETRYING,
+    JobState.SUCCEEDED,
+    JobState.FAILED,
+    JobState.CANCELLED,
+)
+ALLOWED = {
+    (Q, ST), (Q, F), (Q, C),
+    (ST, R), (ST, RT), (ST, F), (ST, C),
+    (R, OK), (R, RT), (R, F), (R, C),
+    (RT, ST), (RT, F), (RT, C),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("current", list(JobState))
+@pytest.mark.parametrize("target", list(JobState))
+def test_every_transition_is_allowed_or_refused_as_the_table_says(current: JobState, target: JobState) -> None:
+    if (current, target) in ALLOWED:
+        assert check_transition(current, target) is target
+    else:
+        with pytest.raises(IllegalTransition, match=f"a {current.value} job cannot become {target.value}"):
+            check_transition(current, target)
+
+
+def test_terminal_and_active_states() -> None:
+    assert {state for state in JobState if state.is_terminal} == {OK, F, C}
+    assert {state for state in JobState if state.is_active} == {ST, R, RT}
+
+
+@pytest.mark.parametrize(
+    ("cause", "attempt", "max_retries", "decision"),
+    [
+        (FailureCause.EXCEPTION, 1, 0, Decision.FAIL),
+        (FailureCause.EXCEPTION, 1, 1, Decision.RETRY),
+        (FailureCause.EXCEPTION, 2, 1, Decision.FAIL),
+        (FailureCause.HANG, 2, 3, Decision.RETRY),
+        (FailureCause.OOM, 1, 2, Decision.RETRY),
+        (FailureCause.NODE_LOST, 2, 2, Decision.RETRY),
+        (FailureCause.NODE_LOST, 3, 2, Decision.FAIL),
+        (FailureCause.CANCELLED, 1, 5, Decision.FAIL),
+        (FailureCause.BAD_SPEC, 1, 5, Decision.FAIL),
+    ],
+)
+def test_retry_decisions(cause: FailureCause, attempt: int, max_retries: int, decision: Decision) -> None:
+    assert decide_after_failure(cause, attempt, max_retries).decision is decision
+
+
+def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> RankException:
+    return RankException(rank, message, ('  File "train.py", line 3, in step', message), timestamp)
+
+
+@pytest.mark.parametrize(
+    ("evidence", "cause", "summary_has"),
+    [
+        pytest.param(
+            Evidence(exit_code=1, exceptions=(_exception(1, 10), _exception(0, 12, "RuntimeError: later"))),
+            FailureCause.EXCEPTION,
+            "rank 1: ValueError: boom",
+            id="first-exception-is-the-root-cause",
+        ),
+        pytest.param(
+            Evidence(exit_code=1, rank_exits={1: -9}, oom_kills=1),
+            FailureCause.OOM,
+            "rank 1 killed by the kernel's OOM killer",
+            id="sigkill-with-an-oom-kill",
+        ),
+        pytest.param(
+            Evidence(exit_code=1, rank_exits={0: 1, 1: -9}),
+            FailureCause.SIGNAL,
+            "rank 1 killed by SIGKILL (signal 9) (by another process or the OOM killer",
+            id="sigkill-without-oom",
+        ),
+        pytest.param(
+            Evidence(
+                exit_code=1,
+                exceptions=(_exception(0, 1, "RuntimeError: Connection reset by peer"),),
+                rank_exits={0: 1, 1: -9},
+                root_rank=1,
+            ),
+            FailureCause.SIGNAL,
+            "rank 1 killed by SIGKILL",
+            id="a-killed-root-cause-beats-its-peers-exceptions",
+        ),
+        pytest.param(
+            Evidence(exit_code=1, rank_exits={0: -15}),
+            FailureCause.SIGNAL,
+            "rank 0 killed by SIGTERM (signal 15)",
+            id="sigterm",
+        ),
+        pytest.param(
+            Evidence(
+                exit_code=1,
+                exceptions=(
+                    _exception(0, 1, "RuntimeError: DataLoader worker (pid 7) is killed by signal: Bus error"),
+                ),
+                log_tails={
+                    0: (
+                        "ERROR: Unexpected bus error encountered in worker. This might be caused by "
+                        "insufficient shared memory (shm).",
+                    )
+                },
+            ),
+            FailureCause.SHM,
+            "rank 0: out of shared memory (/dev/shm)",
+            id="shared-memory",
+        ),
+        pytest.param(
+            Evidence(
+                exit_code=1,
+                exceptions=(_exception(1, 1, "DistBackendError: timeout"),),
+                log_tails={
+                    1: (
+                        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+                        "Timed out waiting 1800000ms for recv operation to complete",
+                    )
+                },
+            ),
+            FailureCause.COLLECTIVE_TIMEOUT,
+            "rank 1: a collective timed out",
+            id="gloo-timeout",
+        ),
+        pytest.param(
+            Evidence(exit_code=1, agent_tail=("torch.distributed.elastic.rendezvous.api.RendezvousClosedError",)),
+            FailureCause.NODE_LOST,
+            "a node left the rendezvous",
+            id="rendezvous-closed",
+        ),
+        pytest.param(
+            Evidence(exit_code=1, rank_exits={1: 3}, log_tails={1: ("last words",)}),
+            FailureCause.EXIT_CODE,
+            "rank 1 exited with code 3",
+            id="plain-exit-code",
+        ),
+        pytest.param(
+            Evidence(exit_code=-9), FailureCause.SIGNAL, "the job's agent was killed by SIGKILL", id="agent-killed"
+        ),
+    ],
+)
+def test_failure_causes_from_evidence(evidence: Evidence, cause: FailureCause, summary_has: str) -> None:
+    failure = classify(evidence)
+    assert failure.cause is cause
+    assert summary_has in failure.summary
+
+
+def test_an_exception_carries_its_traceback_tail() -> None:
+    failure = classify(Evidence(exit_code=1, exceptions=(_exception(1, 10),)))
+    assert 'File "train.py", line 3, in step' in failure.detail
+
+
+AGENT_SUMMARY = """\
+Failures:
+[1]:
+  time      : 2026-11-22_02:44:50
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 22249)
+  error_file: /x/logs/rank-0.error.json
+  traceback : Traceback (most recent call last):
+  RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer.
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_02:44:50
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 22250)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 22250
+============================================================
+"""
+
+
+def test_torchruns_failure_summary_is_read_with_its_root_cause(tmp_path: Path) -> None:
+    (tmp_path / "agent.log").write_text(AGENT_SUMMARY)
+    evidence = gather_evidence(tmp_path, exit_code=1)
+    assert evidence.rank_exits == {0: 1, 1: -9}
+    assert evidence.root_rank == 1
+    assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")

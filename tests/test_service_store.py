@@ -1,0 +1,86 @@
+"""The job store on a real database: migrations, ordering, and state changes that cannot both win."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from sqlalchemy import inspect
+
+from clusterfit.service.migrate import open_store
+from clusterfit.service.states import IllegalTransition, JobState
+from clusterfit.service.store import JobNotFound, JobStore, StateConflict
+
+
+@pytest.fixture
+def store_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'jobs.db'}"
+
+
+def _add(store: JobStore, name: str = "job", priority: int = 0) -> str:
+    return store.add_job(
+        name=name, backend="local", ranks=2, outputs_dir="/tmp/out", spec_yaml="name: x\n", priority=priority
+    ).id
+
+
+def test_migrations_create_the_schema_once_and_reopening_keeps_the_jobs(store_url: str) -> None:
+    store = open_store(store_url)
+    assert {"jobs", "job_events", "api_tokens", "alembic_version"} <= set(inspect(store.engine).get_table_names())
+    job_id = _add(store)
+    reopened = open_store(store_url)
+    assert reopened.get(job_id).state == "QUEUED"
+
+
+def test_queue_order_is_priority_then_submission(store_url: str) -> None:
+    store = open_store(store_url)
+    first_low = _add(store, "a", priority=0)
+    time.sleep(0.01)
+    high = _add(store, "b", priority=5)
+    time.sleep(0.01)
+    second_low = _add(store, "c", priority=0)
+    assert [job.id for job in store.queued_in_order()] == [high, first_low, second_low]
+
+
+def test_transitions_record_history_and_refuse_impossible_moves(store_url: str) -> None:
+    store = open_store(store_url)
+    job_id = _add(store)
+    store.transition(job_id, JobState.STAGING, "claimed")
+    store.transition(job_id, JobState.RUNNING, "training")
+    job = store.transition(job_id, JobState.SUCCEEDED, "done")
+    assert job.started_at is not None and job.ended_at is not None and job.ended_at >= job.started_at
+    assert [(event.state, event.message) for event in store.events(job_id)] == [
+        ("QUEUED", "submitted"),
+        ("STAGING", "claimed"),
+        ("RUNNING", "training"),
+        ("SUCCEEDED", "done"),
+    ]
+    with pytest.raises(IllegalTransition):
+        store.transition(job_id, JobState.RUNNING)
+    assert store.get(job_id).state == "SUCCEEDED"
+
+
+def test_only_one_of_many_racing_claims_wins(store_url: str) -> None:
+    store = open_store(store_url)
+    job_id = _add(store)
+
+    def claim(_: int) -> bool:
+        try:
+            open_store(store_url).transition(job_id, JobState.STAGING, "claimed")
+            return True
+        except (StateConflict, IllegalTransition):
+            return False
+
+    with ThreadPoolExecutor(8) as pool:
+        wins = list(pool.map(claim, range(8)))
+    assert sum(wins) == 1
+    assert [event.state for event in store.events(job_id)].count("STAGING") == 1
+
+
+def test_ids_resolve_by_unique_prefix(store_url: str) -> None:
+    store = open_store(store_url)
+    job_id = _add(store)
+    assert store.get(job_id[:6]).id == job_id
+    with pytest.raises(JobNotFound, match="clusterfit list"):
+        store.get("zzzzzz")
