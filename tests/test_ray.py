@@ -14,10 +14,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, cli_command, run_cli, tiny_job, write_job
+from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 from raycluster import RayCluster
 
 from clusterfit.backends.ray import AgentState, job_exit_code
+from clusterfit.service.migrate import open_store
 
 ON_RAY = [
     "--set",
@@ -184,6 +185,31 @@ def test_another_process_finds_the_job_for_status_and_cancel(ray_cluster: RayClu
     assert not [p.pid for p in processes if _alive(p)], "agents or workers outlived the cancel"
     assert json.loads(_ray_job(ray_cluster, "status", ref)) == {"state": "gone", "exit_code": None}
     assert ray_cluster.placement_groups()[json.loads(ref)["id"]] == "REMOVED"
+
+
+def test_service_runs_a_submitted_ray_job_and_cancels_it(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """`clusterfit submit` hands the job to a detached supervisor, which places it on Ray; `clusterfit cancel`
+    stops it there."""
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml", tiny_job(out, steps_per_epoch=None))
+    env = ray_cluster.client_env()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cli_command(*args), env=env, capture_output=True, text=True, timeout=300)
+
+    submitted = cli("submit", str(job), *ON_RAY)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    processes = _wait_until_training(out, None)
+    wait_for(lambda: "RUNNING" in cli("status", job_id).stdout, 60, "RUNNING")
+    ref = json.loads(open_store().get(job_id).engine_ref)
+    assert ref["backend"] == "ray" and ray_cluster.placement_groups()[ref["id"]] == "CREATED"
+
+    cancelled = cli("cancel", job_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.strip() == f"job {job_id} CANCELLED"
+    wait_for(lambda: not [p.pid for p in processes if _alive(p)], 60, "the job's processes to end")
+    assert ray_cluster.placement_groups()[ref["id"]] == "REMOVED"
 
 
 def _ray_job(cluster: RayCluster, action: str, argument: str) -> str:
