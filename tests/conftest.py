@@ -140,3 +140,29 @@ def service_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
     monkeypatch.delenv("CLUSTERFIT_DATABASE_URL", raising=False)
     monkeypatch.delenv("CLUSTERFIT_SERVER", raising=False)
     return home
+
+
+@pytest.fixture(scope="session")
+def postgres_server():  # noqa: ANN201
+    """A real PostgreSQL cluster on loopback for the whole session (Debian's postgresql; .ci/run installs it)."""
+    from postgres import PostgresServer, postgres_bin
+
+    bin_dir = postgres_bin()
+    if bin_dir is None:
+        pytest.skip("PostgreSQL server binaries not found under /usr/lib/postgresql (apt-get install postgresql)")
+    server = PostgresServer(bin_dir)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, service_home: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The job store's URL, once per database: SQLite in the test's home, or a new PostgreSQL database.
+    Set in the environment too, so servers and CLI processes the test starts use the same store."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{service_home / 'jobs.db'}"
+    else:
+        url = request.getfixturevalue("postgres_server").new_database()
+    monkeypatch.setenv("CLUSTERFIT_DATABASE_URL", url)
+    return url

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from sqlalchemy import inspect
@@ -15,8 +14,8 @@ from clusterfit.service.store import JobNotFound, JobStore, StateConflict
 
 
 @pytest.fixture
-def store_url(tmp_path: Path) -> str:
-    return f"sqlite:///{tmp_path / 'jobs.db'}"
+def store_url(database_url: str) -> str:
+    return database_url  # each test runs on SQLite and on a real PostgreSQL (conftest.database_url)
 
 
 def _add(store: JobStore, name: str = "job", priority: int = 0) -> str:

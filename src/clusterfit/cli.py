@@ -33,6 +33,18 @@ SetOption = Annotated[
 ]
 
 
+ServerOption = Annotated[
+    Optional[str],  # noqa: UP045 - typer needs Optional here
+    typer.Option(
+        "--server", envvar="CLUSTERFIT_SERVER", help="Talk to this clusterfit server (URL) instead of the local store."
+    ),
+]
+TokenOption = Annotated[
+    Optional[str],  # noqa: UP045
+    typer.Option("--token", envvar="CLUSTERFIT_TOKEN", help="API token for --server.", show_default=False),
+]
+
+
 def _fail(message: str, code: int = 2) -> typer.Exit:
     for line in message.splitlines():
         errors.print(f"[red]error:[/red] {escape(line)}", soft_wrap=True)
@@ -119,14 +131,35 @@ def _user() -> str:
     return os.environ.get("USER") or os.environ.get("LOGNAME") or str(os.getuid())
 
 
+@contextlib.contextmanager
+def _remote(server: str, token: str | None):  # noqa: ANN202
+    """A client of the server; any refusal or unreachable server becomes one line and an exit code."""
+    from clusterfit.service.client import ServiceClient, ServiceError
+
+    try:
+        with ServiceClient(server, token) as client:
+            yield client
+    except ServiceError as exc:
+        raise _fail(str(exc), exc.exit_code) from None
+
+
 @app.command()
 def submit(
     spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml", help="The job spec.")],
     overrides: SetOption = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
 ) -> None:
-    """Check a job on this machine, queue it, and print its id at once; it starts when there is room."""
+    """Check a job on this machine, queue it, and print its id at once; it starts when there is room.
+
+    With --server the server checks the spec (paths in it are the server's) and queues it."""
     from clusterfit.service.records import record_job
     from clusterfit.service.scheduler import schedule
+
+    if server:
+        with _remote(server, token) as client:
+            console.print(client.submit(spec_file, overrides)["id"], markup=False)
+        return
 
     spec = _load(spec_file, overrides)
     store = _store()
@@ -139,6 +172,8 @@ def submit(
 def list_jobs(
     state: Annotated[Optional[str], typer.Option(help="Only jobs in this state, e.g. running.")] = None,  # noqa: UP045
     limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
+    server: ServerOption = None,
+    token: TokenOption = None,
 ) -> None:
     """The jobs, newest first: id, name, state, engine, ranks, progress, age."""
     from clusterfit.service.render import jobs_table
@@ -146,6 +181,10 @@ def list_jobs(
     from clusterfit.service.views import job_row
 
     wanted = _state(state)
+    if server:
+        with _remote(server, token) as client:
+            console.print(jobs_table(client.rows(wanted.value if wanted else None, limit)))
+        return
     store = _store()
     reconcile(store)
     console.print(jobs_table([job_row(job) for job in store.list_jobs(wanted, limit)]))
@@ -178,26 +217,35 @@ JobArgument = Annotated[str, typer.Argument(metavar="JOB", help="A job id (or a 
 
 
 @app.command()
-def status(job_id: JobArgument) -> None:
+def status(job_id: JobArgument, server: ServerOption = None, token: TokenOption = None) -> None:
     """A job's state, progress, per-rank health and, if it failed, why."""
     from clusterfit.service.render import status_lines
     from clusterfit.service.views import job_status
 
-    store = _store()
-    for line in status_lines(job_status(store, _job(store, job_id))):
+    if server:
+        with _remote(server, token) as client:
+            found = client.status(job_id)
+    else:
+        store = _store()
+        found = job_status(store, _job(store, job_id))
+    for line in status_lines(found):
         console.print(line, markup=False, soft_wrap=True)
 
 
 @app.command()
-def show(job_id: JobArgument) -> None:
+def show(job_id: JobArgument, server: ServerOption = None, token: TokenOption = None) -> None:
     """Everything about a job: resolved spec, history, outputs, metrics, checkpoints."""
     import yaml
 
     from clusterfit.service.render import history_lines, status_lines
     from clusterfit.service.views import job_details
 
-    store = _store()
-    details = job_details(store, _job(store, job_id))
+    if server:
+        with _remote(server, token) as client:
+            details = client.details(job_id)
+    else:
+        store = _store()
+        details = job_details(store, _job(store, job_id))
     for line in status_lines(details):
         console.print(line, markup=False, soft_wrap=True)
     console.print("history:", markup=False)
@@ -220,6 +268,8 @@ def logs(
     job_id: JobArgument,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the job ends.")] = False,
     rank: Annotated[Optional[int], typer.Option(min=0, help="Only this rank's log.")] = None,  # noqa: UP045
+    server: ServerOption = None,
+    token: TokenOption = None,
 ) -> None:
     """Every rank's log merged, each line labelled with its rank and node; -f follows it live."""
     import time
@@ -227,6 +277,10 @@ def logs(
     from clusterfit.monitoring.logtail import LOG_DIR, LogFollower
     from clusterfit.service.records import read_heartbeats
 
+    if server:
+        with _remote(server, token) as client:
+            _follow_remote_logs(client, job_id, rank, follow)
+        return
     store = _store()
     job = _job(store, job_id)
 
@@ -247,10 +301,28 @@ def logs(
         _job(store, job.id)  # reconcile: a dead job's follower must end too
 
 
+def _follow_remote_logs(client, job_id: str, rank: int | None, follow: bool) -> None:  # noqa: ANN001
+    import time
+
+    cursor = None
+    while True:
+        chunk = client.logs(job_id, cursor, rank)
+        cursor = chunk["cursor"]
+        for line in chunk["lines"]:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        if chunk["more"]:
+            continue
+        if chunk["ended"] or not follow:
+            return
+        time.sleep(0.5)
+
+
 @app.command()
 def cancel(
     job_id: JobArgument,
     wait: Annotated[float, typer.Option(min=0, help="Seconds to wait for every process to stop.")] = 60.0,
+    server: ServerOption = None,
+    token: TokenOption = None,
 ) -> None:
     """Stop every process of a job and mark it CANCELLED; a queued job never starts."""
     import time
@@ -258,6 +330,11 @@ def cancel(
     from clusterfit.service.scheduler import schedule
     from clusterfit.service.states import FailureCause, IllegalTransition, JobState
     from clusterfit.service.store import StateConflict
+
+    if server:
+        with _remote(server, token) as client:
+            _cancel_remote(client, job_id, wait)
+        return
 
     store = _store()
     job = _job(store, job_id)
@@ -279,6 +356,112 @@ def cancel(
         time.sleep(0.2)
     schedule(store)
     console.print(f"job {job.id} {job.state}", markup=False)
+
+
+def _cancel_remote(client, job_id: str, wait: float) -> None:  # noqa: ANN001
+    import time
+
+    from clusterfit.service.states import JobState
+
+    found = client.cancel(job_id)
+    deadline = time.monotonic() + wait
+    while not JobState(found["state"]).is_terminal:
+        if time.monotonic() > deadline:
+            raise _fail(
+                f"job {found['id']} is still {found['state']} after {wait:g} s; run `clusterfit cancel {found['id']}` "
+                "again",
+                1,
+            )
+        time.sleep(0.2)
+        found = client.status(found["id"])
+    console.print(f"job {found['id']} {found['state']}", markup=False)
+
+
+@app.command()
+def server(
+    host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for every interface.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port; 0 picks a free one (printed).")] = 8080,
+    tls_cert: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--tls-cert", help="PEM certificate: serve HTTPS (with --tls-key)."),
+    ] = None,
+    tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="PEM private key of --tls-cert.")] = None,  # noqa: UP045
+    no_auth: Annotated[
+        bool, typer.Option("--no-auth", help="Accept requests without a token (loopback addresses only).")
+    ] = False,
+    paused: Annotated[bool, typer.Option("--paused", help="Queue submissions but start none (maintenance).")] = False,
+) -> None:
+    """Serve the job service's HTTP API and web dashboard over the local store.
+
+    Every request needs a token (`clusterfit token create --scope admin` on this machine makes the first)."""
+    from clusterfit.service.api import ServerSettings, bind, is_loopback, serve
+
+    if (tls_cert is None) != (tls_key is None):
+        raise _fail("--tls-cert and --tls-key go together; give both for HTTPS, or neither")
+    for path in (tls_cert, tls_key):
+        if path is not None and not path.is_file():
+            raise _fail(f"{path}: no such file (a PEM certificate or key)")
+    if no_auth and not is_loopback(host):
+        raise _fail(
+            f"--no-auth with --host {host}: anyone on the network could run jobs; use a token, or --host 127.0.0.1"
+        )
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
+        raise _fail(f"cannot listen on {host}:{port}: {exc.strerror}; choose another --port or --host") from None
+    settings = ServerSettings(auth=not no_auth, paused=paused)
+    say = partial(console.print, markup=False, highlight=False, soft_wrap=True)
+    serve(_store(), sock, settings, tls_cert=tls_cert, tls_key=tls_key, announce=say)
+
+
+token_app = typer.Typer(
+    help="API tokens of this machine's job service (for `clusterfit server`).", no_args_is_help=True
+)
+app.add_typer(token_app, name="token")
+
+
+@token_app.command("create")
+def token_create(
+    scope: Annotated[str, typer.Option(help="read | submit (includes read) | admin (includes both).")] = "read",
+    ttl: Annotated[str, typer.Option(help="Lifetime: 90s, 15m, 1h, 7d, 2w, or never.")] = "1h",
+    name: Annotated[str, typer.Option(help="A name to recognise it by (shown in lists and job owners).")] = "",
+) -> None:
+    """Create a token in the local store and print it once: only its sha256 is kept."""
+    from clusterfit.service.auth import TokenError, issue_token, parse_ttl
+
+    try:
+        issued = issue_token(_store(), scope, parse_ttl(ttl), name)
+    except TokenError as exc:
+        raise _fail(str(exc)) from None
+    expiry = f"expires {issued.expires_at:%Y-%m-%d %H:%M} UTC" if issued.expires_at else "never expires"
+    errors.print(f"token {issued.id} ({issued.name}, scope {issued.scope}, {expiry}); it is shown only now:")
+    console.print(issued.secret, markup=False)
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """Every token of the local store: id, name, scopes, expiry, revocation (never the token itself)."""
+    from clusterfit.service.store import utcnow
+
+    table = Table(box=None, header_style="bold")
+    for column in ("id", "name", "scopes", "expires", "state"):
+        table.add_column(column)
+    now = utcnow()
+    for token in _store().list_tokens():
+        expired = token.expires_at is not None and token.expires_at <= now
+        state = "revoked" if token.revoked_at else "expired" if expired else "valid"
+        expires = f"{token.expires_at:%Y-%m-%d %H:%M}" if token.expires_at else "never"
+        table.add_row(str(token.id), token.name, token.scopes, expires, state)
+    console.print(table)
+
+
+@token_app.command("revoke")
+def token_revoke(token_id: Annotated[int, typer.Argument(metavar="ID", help="The id from `token list`.")]) -> None:
+    """Revoke a token at once: every request with it is refused from now on."""
+    token = _store().revoke_token(token_id)
+    if token is None:
+        raise _fail(f"no token {token_id}; `clusterfit token list` shows them")
+    console.print(f"token {token.id} ({token.name}) revoked", markup=False)
 
 
 @app.command()

@@ -163,7 +163,8 @@ def _exceptions(log_dir: Path) -> list[RankException]:
             continue
         message = " ".join(str(record.get("message", "")).split())
         extra = record.get("extraInfo", {}) or {}
-        stack = [line for line in str(extra.get("py_callstack", "")).splitlines() if line.strip()]
+        # Python 3.11+ underlines the failing expression with ^ and ~: noise in a summary.
+        stack = [line for line in str(extra.get("py_callstack", "")).splitlines() if line.strip(" ^~")]
         found.append(
             RankException(
                 int(match.group(1)), message, tuple(stack[-_TRACEBACK_LINES:]), int(extra.get("timestamp", 0))

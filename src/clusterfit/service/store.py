@@ -22,6 +22,7 @@ from sqlalchemy import (
     Text,
     create_engine,
     event,
+    func,
     select,
     update,
 )
@@ -208,6 +209,10 @@ class JobStore:
         with self.session() as session:
             return list(session.scalars(query))
 
+    def count_jobs(self) -> int:
+        with self.session() as session:
+            return session.scalar(select(func.count()).select_from(Job)) or 0
+
     def queued_in_order(self) -> list[Job]:
         """Queued jobs, the one to start first first: higher priority, then earlier submission."""
         query = select(Job).where(Job.state == JobState.QUEUED.value)
@@ -276,6 +281,24 @@ class JobStore:
     def token_by_hash(self, token_hash: str) -> ApiToken | None:
         with self.session() as session:
             return session.scalars(select(ApiToken).where(ApiToken.token_hash == token_hash)).first()
+
+    def token_by_id(self, token_id: int) -> ApiToken | None:
+        with self.session() as session:
+            return session.get(ApiToken, token_id)
+
+    def list_tokens(self) -> list[ApiToken]:
+        with self.session() as session:
+            return list(session.scalars(select(ApiToken).order_by(ApiToken.id)))
+
+    def revoke_token(self, token_id: int) -> ApiToken | None:
+        """Revoke a token for good (the first revocation time is kept); None if there is no such token."""
+        with self.session() as session:
+            session.execute(
+                update(ApiToken)
+                .where(ApiToken.id == token_id, ApiToken.revoked_at.is_(None))
+                .values(revoked_at=utcnow())
+            )
+            return session.get(ApiToken, token_id)
 
 
 def dump_json(value: dict[str, Any]) -> str:

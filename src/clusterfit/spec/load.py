@@ -20,18 +20,23 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
         raise SpecError(f"{path}: no such job file") from None
     except OSError as exc:
         raise SpecError(f"{path}: cannot read the job file ({exc.strerror})") from None
+    return load_spec_text(text, overrides, source=str(path))
+
+
+def load_spec_text(text: str, overrides: list[str] | None = None, source: str = "job") -> JobSpec:
+    """A job spec from YAML text (what a client sends the job service), with the same checks as a file."""
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise SpecError(f"{path}: {problem}{where}") from None
+        raise SpecError(f"{source}: {problem}{where}") from None
     if not isinstance(raw, dict):
-        raise SpecError(f"{path}: a job file must be a YAML mapping (name:, trainer:, ...), not {type(raw).__name__}")
+        raise SpecError(f"{source}: a job file must be a YAML mapping (name:, trainer:, ...), not {type(raw).__name__}")
     for override in overrides or []:
         apply_override(raw, override)
-    return validate_spec(raw, source=str(path))
+    return validate_spec(raw, source=source)
 
 
 def validate_spec(raw: dict[str, Any], source: str = "job") -> JobSpec:

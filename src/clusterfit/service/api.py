@@ -1,0 +1,284 @@
+"""The job service over HTTP: a FastAPI app over one JobStore, with token auth, and the web dashboard.
+
+Every endpoint returns the dicts of `views`, so the CLI prints the same thing from a server as from the local
+store. Handlers are plain `def`s: FastAPI runs them in its thread pool, where blocking database calls belong.
+`clusterfit server` serves the app with uvicorn; `serve` below is that, with a background thread that keeps
+the store true (`reconcile`) and starts queued jobs when room frees (`schedule`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from importlib.resources import files
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel, Field
+
+from clusterfit import __version__
+from clusterfit.monitoring.logtail import LOG_DIR
+from clusterfit.service.auth import SCOPES, TokenError, Verdict, authorize, issue_token, parse_ttl
+from clusterfit.service.logview import read_logs
+from clusterfit.service.records import read_heartbeats, record_job
+from clusterfit.service.scheduler import reconcile, schedule
+from clusterfit.service.states import FailureCause, IllegalTransition, JobState
+from clusterfit.service.store import ApiToken, Job, JobNotFound, JobStore, StateConflict
+from clusterfit.service.views import job_details, job_row, job_status, metrics_series
+from clusterfit.spec import SpecError, load_spec_text
+
+log = logging.getLogger("clusterfit.server")
+DASHBOARD = files("clusterfit.service") / "dashboard"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    auth: bool = True  # off only for a server bound to loopback (`clusterfit server --no-auth`)
+    paused: bool = False  # accept and queue submissions, start none (maintenance, load tests)
+    maintenance_every_s: float = 3.0
+
+
+class SubmitRequest(BaseModel):
+    spec: str = Field(description="the job's YAML text")
+    overrides: list[str] = Field(default_factory=list, description="like --set: trainer.epochs=2")
+    source: str = Field("job.yaml", max_length=200, description="the file name, for error messages")
+
+
+class TokenRequest(BaseModel):
+    scope: str
+    ttl: str | None = Field("1h", description="90s, 15m, 1h, 7d, 2w or never")
+    name: str = Field("", max_length=64)
+
+
+def _needs(scope: str) -> Callable[..., ApiToken | None]:
+    def check(request: Request, authorization: Annotated[str | None, Header()] = None) -> ApiToken | None:
+        if not request.app.state.settings.auth:
+            return None
+        scheme, _, bearer = (authorization or "").partition(" ")
+        decision = authorize(request.app.state.store, bearer.strip() if scheme.lower() == "bearer" else None, scope)
+        if decision.verdict is Verdict.UNAUTHENTICATED:
+            raise HTTPException(401, decision.reason, headers={"WWW-Authenticate": "Bearer"})
+        if decision.verdict is Verdict.FORBIDDEN:
+            raise HTTPException(403, decision.reason)
+        return decision.token
+
+    return check
+
+
+# Who may call an endpoint: read for looking, submit for submitting and cancelling, admin for tokens.
+Reader = Annotated[ApiToken | None, Depends(_needs("read"))]
+Submitter = Annotated[ApiToken | None, Depends(_needs("submit"))]
+Admin = Annotated[ApiToken | None, Depends(_needs("admin"))]
+
+
+def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> FastAPI:
+    app = FastAPI(title="clusterfit", version=__version__, docs_url="/api/docs", openapi_url="/api/openapi.json")
+    app.state.store, app.state.settings = store, settings
+
+    def find(job_id: str) -> Job:
+        try:
+            return store.get(job_id)
+        except JobNotFound as exc:
+            raise HTTPException(404, str(exc)) from None
+
+    @app.get("/api/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "version": __version__, "auth": settings.auth, "paused": settings.paused}
+
+    @app.post("/api/jobs", status_code=201)
+    def submit(request: SubmitRequest, token: Submitter) -> dict[str, Any]:
+        from clusterfit.launch import preflight  # imports torch: once, on the first submission
+
+        try:
+            spec = load_spec_text(request.spec, request.overrides, source=request.source)
+            preflight(spec)
+        except SpecError as exc:
+            raise HTTPException(422, str(exc)) from None
+        job = record_job(store, spec, owner=token.name if token else "")
+        if not settings.paused:
+            schedule(store)
+        return job_row(store.get(job.id))
+
+    @app.get("/api/jobs")
+    def list_jobs(
+        _: Reader,
+        state: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=10000)] = 200,
+    ) -> list[dict[str, Any]]:
+        wanted = None
+        if state:
+            try:
+                wanted = JobState(state.upper())
+            except ValueError:
+                allowed = ", ".join(s.value.lower() for s in JobState)
+                raise HTTPException(422, f"state {state!r} is not a job state; use one of: {allowed}") from None
+        return [job_row(job) for job in store.list_jobs(wanted, limit)]
+
+    @app.get("/api/jobs/{job_id}")
+    def status(job_id: str, _: Reader) -> dict[str, Any]:
+        return job_status(store, find(job_id))
+
+    @app.get("/api/jobs/{job_id}/details")
+    def details(job_id: str, _: Reader) -> dict[str, Any]:
+        return job_details(store, find(job_id))
+
+    @app.get("/api/jobs/{job_id}/metrics")
+    def metrics(job_id: str, _: Reader) -> list[dict[str, Any]]:
+        return metrics_series(find(job_id))
+
+    @app.get("/api/jobs/{job_id}/logs")
+    def logs(
+        job_id: str,
+        _: Reader,
+        rank: Annotated[int | None, Query(ge=0)] = None,
+        cursor: str | None = None,
+    ) -> dict[str, Any]:
+        job = find(job_id)
+        beats = read_heartbeats(job.outputs_dir)
+        ended = job.job_state.is_terminal
+        chunk = read_logs(
+            Path(job.outputs_dir) / LOG_DIR,
+            cursor,
+            ranks=None if rank is None else {rank},
+            node_of=lambda number: beats[number].host if number in beats else None,
+            final=ended,
+        )
+        return {"lines": chunk.lines, "cursor": chunk.cursor, "more": chunk.more, "ended": ended, "state": job.state}
+
+    @app.post("/api/jobs/{job_id}/cancel")
+    def cancel(job_id: str, _: Submitter) -> dict[str, Any]:
+        job = find(job_id)
+        if job.job_state.is_terminal:
+            raise HTTPException(409, f"job {job.id} already ended {job.state}; nothing to cancel")
+        store.request_cancel(job.id)
+        if job.job_state is JobState.QUEUED:
+            # If it was started meanwhile, its supervisor sees the request instead.
+            with contextlib.suppress(StateConflict, IllegalTransition):
+                store.transition(
+                    job.id, JobState.CANCELLED, "cancelled by user while queued", cause=FailureCause.CANCELLED.value
+                )
+        return job_status(store, store.get(job.id))
+
+    @app.post("/api/tokens", status_code=201)
+    def create_token(request: TokenRequest, _: Admin) -> dict[str, Any]:
+        try:
+            issued = issue_token(store, request.scope, parse_ttl(request.ttl), request.name)
+        except TokenError as exc:
+            raise HTTPException(422, str(exc)) from None
+        return {**_token_row(store.token_by_id(issued.id)), "token": issued.secret}
+
+    @app.get("/api/tokens")
+    def list_tokens(_: Admin) -> list[dict[str, Any]]:
+        return [_token_row(token) for token in store.list_tokens()]
+
+    @app.post("/api/tokens/{token_id}/revoke")
+    def revoke_token(token_id: int, _: Admin) -> dict[str, Any]:
+        token = store.revoke_token(token_id)
+        if token is None:
+            raise HTTPException(404, f"no token {token_id}")
+        return _token_row(token)
+
+    @app.get("/api/whoami")
+    def whoami(token: Reader) -> dict[str, Any]:
+        return _token_row(token) if token else {"name": "", "scopes": ",".join(SCOPES), "auth": False}
+
+    @app.get("/", include_in_schema=False)
+    def dashboard() -> FileResponse:
+        return FileResponse(str(DASHBOARD / "index.html"))
+
+    app.mount("/ui", StaticFiles(directory=str(DASHBOARD)), name="ui")
+    return app
+
+
+def _token_row(token: ApiToken) -> dict[str, Any]:
+    return {
+        "id": token.id,
+        "name": token.name,
+        "scopes": token.scopes,
+        "created_at": token.created_at.isoformat(),
+        "expires_at": token.expires_at.isoformat() if token.expires_at else None,
+        "revoked_at": token.revoked_at.isoformat() if token.revoked_at else None,
+    }
+
+
+class Maintenance:
+    """Every few seconds: settle jobs whose supervisors died, start queued jobs when room frees."""
+
+    def __init__(self, store: JobStore, every_s: float, start_jobs: bool) -> None:
+        self.store, self.every_s, self.start_jobs = store, every_s, start_jobs
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="clusterfit-maintenance", daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                if self.start_jobs:
+                    schedule(self.store)
+                else:
+                    reconcile(self.store)
+            except Exception:  # noqa: BLE001 - a database hiccup must not end the loop; the next round retries
+                log.exception("maintenance round failed")
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self._thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()
+            self._thread.join(timeout=30)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0 picks a free one), so the server can say which port it got."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def serve(
+    store: JobStore,
+    sock: socket.socket,
+    settings: ServerSettings,
+    *,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
+    announce: Callable[[str], None] = print,
+) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(
+        create_app(store, settings),
+        ssl_certfile=str(tls_cert) if tls_cert else None,
+        ssl_keyfile=str(tls_key) if tls_key else None,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    scheme = "https" if tls_cert else "http"
+    shown = f"[{host}]" if ":" in host else host
+    # NOTE: uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handlers it
+    # found; these make that second delivery a no-op, so the maintenance thread is stopped too and we exit 0.
+    stopped_by: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, _frame: stopped_by.append(number))
+    with Maintenance(store, settings.maintenance_every_s, start_jobs=not settings.paused).running():
+        announce(f"clusterfit server listening on {scheme}://{shown}:{port} (dashboard: {scheme}://{shown}:{port}/)")
+        server.run(sockets=[sock])
+    announce("clusterfit server stopped")

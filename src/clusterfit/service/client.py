@@ -1,0 +1,100 @@
+"""The CLI's side of the HTTP API: the same dicts as the local store gives, fetched from a server.
+
+Every failure is a `ServiceError` with one line to show and the exit code to leave with: 1 when the server
+cannot be reached (try again later), 2 when the request itself was refused (fix the token or the input)."""
+
+from __future__ import annotations
+
+import os
+import ssl
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+CA_CERT_ENV = "CLUSTERFIT_CA_CERT"  # a PEM file to trust, for a server with a self-signed certificate
+
+
+class ServiceError(RuntimeError):
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class ServiceClient:
+    def __init__(self, url: str, token: str | None, *, ca_cert: str | None = None, timeout: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        ca_cert = ca_cert or os.environ.get(CA_CERT_ENV)
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_cert) if ca_cert else True
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, verify=verify)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> ServiceClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ServiceError(
+                f"cannot reach the clusterfit server at {self.url}: {exc or type(exc).__name__}", 1
+            ) from None
+        if response.status_code >= 400:
+            raise ServiceError(_refusal(response), 2 if response.status_code < 500 else 1)
+        return response.json()
+
+    # --- jobs -------------------------------------------------------------------------------------------
+    def submit(self, spec_file: Path, overrides: list[str] | None) -> dict[str, Any]:
+        try:
+            text = spec_file.read_text()
+        except OSError as exc:
+            raise ServiceError(f"{spec_file}: cannot read the job file ({exc.strerror})", 2) from None
+        body = {"spec": text, "overrides": overrides or [], "source": str(spec_file)}
+        return self._call("POST", "/api/jobs", json=body)
+
+    def rows(self, state: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        params: dict[str, Any] = {"limit": limit}
+        if state:
+            params["state"] = state
+        return self._call("GET", "/api/jobs", params=params)
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/api/jobs/{job_id}")
+
+    def details(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/api/jobs/{job_id}/details")
+
+    def metrics(self, job_id: str) -> list[dict[str, Any]]:
+        return self._call("GET", f"/api/jobs/{job_id}/metrics")
+
+    def logs(self, job_id: str, cursor: str | None = None, rank: int | None = None) -> dict[str, Any]:
+        params: dict[str, Any] = {}
+        if cursor:
+            params["cursor"] = cursor
+        if rank is not None:
+            params["rank"] = rank
+        return self._call("GET", f"/api/jobs/{job_id}/logs", params=params)
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/api/jobs/{job_id}/cancel")
+
+    def health(self) -> dict[str, Any]:
+        return self._call("GET", "/api/health")
+
+
+def _refusal(response: httpx.Response) -> str:
+    try:
+        detail = response.json().get("detail")
+    except ValueError:
+        detail = None
+    if isinstance(detail, list):  # request-shape errors from FastAPI: say where, briefly
+        detail = "; ".join(f"{'.'.join(map(str, err.get('loc', [])))}: {err.get('msg')}" for err in detail)
+    detail = detail or response.reason_phrase
+    hint = {401: " (set CLUSTERFIT_TOKEN or --token)", 403: " (ask for a token with that scope)"}
+    return f"server refused ({response.status_code}): {detail}{hint.get(response.status_code, '')}"

@@ -1,0 +1,213 @@
+// clusterfit dashboard: plain JS over the HTTP API, no build step. The token lives in localStorage and is
+// sent as a Bearer header; the pages poll the API (jobs every 1.5 s, a job page every 1 s).
+"use strict";
+
+const TOKEN_KEY = "clusterfit-token";
+const POLL_MS = { jobs: 1500, job: 1000 };
+const LINE_COLOURS = { loss: "#1f6fd1", rate: "#e0521b" };
+let timer = null;
+let logCursor = null;
+let logJob = null;
+
+const $ = (id) => document.getElementById(id);
+
+async function api(path, options = {}) {
+  const headers = { Authorization: `Bearer ${localStorage.getItem(TOKEN_KEY) || ""}` };
+  const response = await fetch(path, { ...options, headers });
+  if (response.status === 401) {
+    localStorage.removeItem(TOKEN_KEY);
+    show("login");
+    throw new Error((await response.json()).detail);
+  }
+  if (!response.ok) throw new Error(`${response.status}: ${(await response.json()).detail}`);
+  return response.json();
+}
+
+function show(section) {
+  for (const id of ["login", "jobs", "job"]) $(id).hidden = id !== section;
+  $("logout").hidden = section === "login";
+}
+
+function cell(row, text, className) {
+  const td = row.insertCell();
+  td.textContent = text === null || text === undefined ? "-" : String(text);
+  if (className) td.className = className;
+  return td;
+}
+
+const fixed = (value, digits) => (value === null || value === undefined ? "-" : Number(value).toFixed(digits));
+const progress = (job) => (job.step === null ? "-" : job.total_steps ? `${job.step}/${job.total_steps}` : String(job.step));
+
+async function renderJobs() {
+  const jobs = await api("/api/jobs?limit=200");
+  const body = $("jobs-table").tBodies[0];
+  body.replaceChildren();
+  for (const job of jobs) {
+    const row = body.insertRow();
+    row.className = "job";
+    row.dataset.id = job.id;
+    row.onclick = () => (location.hash = `#/jobs/${job.id}`);
+    cell(row, job.id);
+    cell(row, job.name);
+    cell(row, job.state, `state ${job.state}`);
+    cell(row, job.backend);
+    cell(row, job.ranks);
+    cell(row, progress(job));
+    cell(row, fixed(job.images_per_s, 1));
+    cell(row, fixed(job.loss, 4));
+    cell(row, (job.submitted_at || "").slice(0, 19).replace("T", " "));
+  }
+  $("jobs-empty").hidden = jobs.length > 0;
+}
+
+// A line chart on a <canvas>: axes with min/max labels, one polyline. Enough for loss and images/s.
+function drawChart(canvas, points, colour) {
+  const ctx = canvas.getContext("2d");
+  const { width, height } = canvas;
+  const pad = { left: 56, right: 12, top: 12, bottom: 28 };
+  ctx.clearRect(0, 0, width, height);
+  ctx.fillStyle = "#fff";
+  ctx.fillRect(0, 0, width, height);
+  ctx.strokeStyle = "#999";
+  ctx.lineWidth = 1;
+  ctx.beginPath();
+  ctx.moveTo(pad.left, pad.top);
+  ctx.lineTo(pad.left, height - pad.bottom);
+  ctx.lineTo(width - pad.right, height - pad.bottom);
+  ctx.stroke();
+  ctx.fillStyle = "#555";
+  ctx.font = "11px sans-serif";
+  if (points.length === 0) {
+    ctx.fillText("no data yet", pad.left + 10, pad.top + 16);
+    return;
+  }
+  const xs = points.map((p) => p[0]);
+  const ys = points.map((p) => p[1]);
+  const [x0, x1] = [Math.min(...xs), Math.max(...xs)];
+  let [y0, y1] = [Math.min(...ys), Math.max(...ys)];
+  if (y0 === y1) [y0, y1] = [y0 - 1, y1 + 1];
+  const sx = (x) => pad.left + (x1 === x0 ? 0.5 : (x - x0) / (x1 - x0)) * (width - pad.left - pad.right);
+  const sy = (y) => height - pad.bottom - ((y - y0) / (y1 - y0)) * (height - pad.top - pad.bottom);
+  ctx.fillText(y1.toPrecision(4), 4, pad.top + 8);
+  ctx.fillText(y0.toPrecision(4), 4, height - pad.bottom);
+  ctx.fillText(`step ${x0}`, pad.left, height - 8);
+  ctx.fillText(`step ${x1}`, width - pad.right - 50, height - 8);
+  ctx.strokeStyle = colour;
+  ctx.fillStyle = colour;
+  ctx.lineWidth = 3;
+  ctx.beginPath();
+  points.forEach(([x, y], i) => (i ? ctx.lineTo(sx(x), sy(y)) : ctx.moveTo(sx(x), sy(y))));
+  ctx.stroke();
+  for (const [x, y] of points) ctx.fillRect(sx(x) - 3, sy(y) - 3, 6, 6);
+}
+
+async function renderJob(id) {
+  if (logJob !== id) {
+    logJob = id;
+    logCursor = null;
+    $("log").textContent = "";
+  }
+  const [job, metrics] = await Promise.all([api(`/api/jobs/${id}`), api(`/api/jobs/${id}/metrics`)]);
+  $("job-id").textContent = job.id;
+  $("job-name").textContent = `(${job.name})`;
+  $("job-state").textContent = job.state;
+  $("job-state").className = `state ${job.state}`;
+  const attempt = job.attempt ? `attempt ${job.attempt} of ${job.max_retries + 1}` : "not started";
+  $("job-summary").textContent =
+    `${job.backend} engine, ${job.ranks} rank(s), ${attempt}; step ${progress(job)}, ` +
+    `${fixed(job.images_per_s, 1)} images/s, loss ${fixed(job.loss, 4)}; outputs ${job.outputs_dir}`;
+  $("job-cause").textContent = job.cause ? `${job.cause_words}: ${job.cause_detail || ""}` : "";
+  $("cancel").hidden = !["QUEUED", "STAGING", "RUNNING", "RETRYING"].includes(job.state);
+  $("cancel").onclick = () => cancelJob(job.id);
+
+  const train = metrics.filter((m) => m.kind === "train");
+  drawChart($("loss-chart"), train.filter((m) => m.loss != null).map((m) => [m.step, m.loss]), LINE_COLOURS.loss);
+  drawChart(
+    $("rate-chart"),
+    train.filter((m) => m.images_per_s != null).map((m) => [m.step, m.images_per_s]),
+    LINE_COLOURS.rate,
+  );
+
+  const body = $("ranks-table").tBodies[0];
+  body.replaceChildren();
+  for (const rank of job.ranks_health) {
+    const row = body.insertRow();
+    row.className = "rank";
+    for (const value of [rank.rank, rank.host, rank.pid, rank.phase, rank.step, fixed(rank.images_per_s, 1)]) cell(row, value);
+    cell(row, `${Math.round(rank.seconds_since_heartbeat)} s ago`);
+    cell(row, rank.health, rank.health === "silent" ? "silent" : "");
+  }
+
+  for (let more = true; more; ) {
+    const query = logCursor ? `?cursor=${encodeURIComponent(logCursor)}` : "";
+    const chunk = await api(`/api/jobs/${id}/logs${query}`);
+    logCursor = chunk.cursor;
+    more = chunk.more;
+    if (chunk.lines.length) {
+      const log = $("log");
+      const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
+      log.textContent += chunk.lines.join("\n") + "\n";
+      if (atBottom) log.scrollTop = log.scrollHeight;
+    }
+  }
+}
+
+async function cancelJob(id) {
+  if (!confirm(`Cancel job ${id}? Every process of it is stopped.`)) return;
+  try {
+    await api(`/api/jobs/${id}/cancel`, { method: "POST" });
+  } catch (error) {
+    $("error").textContent = `cancel refused: ${error.message}`;
+  }
+}
+
+async function route() {
+  clearTimeout(timer);
+  $("error").textContent = "";
+  if (!localStorage.getItem(TOKEN_KEY)) return show("login");
+  const match = location.hash.match(/^#\/jobs\/([0-9a-f]+)$/);
+  const [section, render, every] = match
+    ? ["job", () => renderJob(match[1]), POLL_MS.job]
+    : ["jobs", renderJobs, POLL_MS.jobs];
+  show(section);
+  const tick = async () => {
+    try {
+      await render();
+      $("error").textContent = "";
+    } catch (error) {
+      $("error").textContent = error.message;
+    }
+    if (localStorage.getItem(TOKEN_KEY)) timer = setTimeout(tick, every);
+  };
+  tick();
+}
+
+async function whoami() {
+  try {
+    const me = await api("/api/whoami");
+    $("who").textContent = me.name ? `${me.name} (${me.scopes})` : "no authentication";
+  } catch (error) {
+    $("login-error").textContent = error.message;
+  }
+}
+
+$("login-form").onsubmit = async (event) => {
+  event.preventDefault();
+  localStorage.setItem(TOKEN_KEY, $("token").value.trim());
+  $("login-error").textContent = "";
+  await whoami();
+  route();
+};
+$("logout").onclick = () => {
+  localStorage.removeItem(TOKEN_KEY);
+  $("who").textContent = "";
+  route();
+};
+window.addEventListener("hashchange", route);
+(async () => {
+  // A server started with --no-auth (loopback only) needs no token: skip the sign-in page.
+  const health = await fetch("/api/health").then((r) => r.json());
+  if (!health.auth && !localStorage.getItem(TOKEN_KEY)) localStorage.setItem(TOKEN_KEY, "none");
+  if (localStorage.getItem(TOKEN_KEY)) whoami();
+  route();
+})();

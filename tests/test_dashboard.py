@@ -1,0 +1,134 @@
+"""The web dashboard in a real headless Chromium (Debian's package, driven by Playwright) against a real
+server that runs a real tiny job: sign in with a token, watch the job's state change live in the table,
+open it, see the loss chart drawn (checked on a screenshot), the per-rank health rows, the log tail, and
+cancel a running job with the button."""
+
+from __future__ import annotations
+
+import io
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import tiny_job
+from service_server import ServerProcess, cancel_active_jobs, client, make_token
+
+from clusterfit.service.migrate import open_store
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+LAUNCH_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+LOSS_COLOUR = (0x1F, 0x6F, 0xD1)  # LINE_COLOURS.loss in dashboard/app.js
+
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(), reason="needs Debian's chromium (apt-get install chromium)"
+)
+
+
+@pytest.fixture
+def browser_page():  # noqa: ANN201
+    from playwright.sync_api import sync_playwright
+
+    profile = tempfile.mkdtemp(prefix="clusterfit-chromium-")
+    with sync_playwright() as playwright:
+        context = playwright.chromium.launch_persistent_context(
+            profile,
+            executable_path=CHROMIUM,
+            headless=True,
+            args=LAUNCH_FLAGS,
+            viewport={"width": 1300, "height": 1000},
+        )
+        try:
+            yield context.new_page()
+        finally:
+            context.close()
+            shutil.rmtree(profile, ignore_errors=True)
+
+
+def _line_pixels(png: bytes, colour: tuple[int, int, int], tolerance: int = 40) -> int:
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+    return int((np.abs(pixels - np.array(colour, dtype=np.int16)) <= tolerance).all(axis=-1).sum())
+
+
+def _wait_for_state(job_id: str, states: set[str], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = open_store().get(job_id).state
+        if state in states:
+            return state
+        time.sleep(0.5)
+    raise AssertionError(f"job {job_id} still {open_store().get(job_id).state} after {timeout} s")
+
+
+@pytest.fixture
+def no_jobs_left_behind():  # noqa: ANN201
+    yield
+    cancel_active_jobs()
+
+
+def test_dashboard_shows_a_real_job_live(browser_page, tmp_path: Path, no_jobs_left_behind) -> None:  # noqa: ANN001
+    from playwright.sync_api import expect
+
+    page = browser_page
+    submitter = make_token("submit", name="dashboard-user")
+    job = tiny_job(tmp_path / "out", steps_per_epoch=8, log_every_steps=1)
+    with ServerProcess() as server, client(server.url, submitter) as http:
+        page.goto(server.url + "/")
+        expect(page.locator("#login")).to_be_visible()
+        page.fill("#token", "cf_wrong")
+        page.click("#login-form button")
+        expect(page.locator("#login-error")).to_contain_text("unknown token")
+        expect(page.locator("#jobs")).to_be_hidden()
+
+        page.fill("#token", submitter)
+        page.click("#login-form button")
+        expect(page.locator("#who")).to_have_text("dashboard-user (submit)")
+        expect(page.locator("#jobs-empty")).to_be_visible()
+
+        # Submitted after the page opened: the table shows it and its state changes without a reload.
+        job_id = http.post("/api/jobs", json={"spec": yaml.safe_dump(job)}).json()["id"]
+        row = page.locator(f"#jobs-table tr[data-id='{job_id}']")
+        expect(row).to_be_visible(timeout=10_000)
+        seen = {row.locator("td").nth(2).inner_text()}
+        deadline = time.monotonic() + 240
+        while "SUCCEEDED" not in seen and time.monotonic() < deadline:
+            page.wait_for_timeout(300)
+            seen.add(row.locator("td").nth(2).inner_text())
+        assert "SUCCEEDED" in seen, (seen, open_store().get(job_id).cause_detail)
+        assert seen & {"QUEUED", "STAGING", "RUNNING"}, seen  # it was seen before it ended
+
+        row.click()
+        expect(page.locator("#job-state")).to_have_text("SUCCEEDED")
+        expect(page.locator("#ranks-table tbody tr")).to_have_count(2)
+        expect(page.locator("#ranks-table tbody tr").first).to_contain_text("ended")
+        expect(page.locator("#log")).to_contain_text("[rank0", timeout=10_000)
+        expect(page.locator("#log")).to_contain_text("exported")
+        expect(page.locator("#cancel")).to_be_hidden()
+        page.wait_for_timeout(1500)  # one more poll: the chart is drawn from the same response as the rows
+        chart = page.locator("#loss-chart").screenshot()
+        page.screenshot(path=str(tmp_path / "job-page.png"), full_page=True)  # kept for a human to look at
+        assert _line_pixels(chart, LOSS_COLOUR) > 200  # the line and its markers, not just the axes
+
+        # A job that would run for long: cancelled from its page.
+        long_job = tiny_job(tmp_path / "long", steps_per_epoch=100_000)
+        long_id = http.post("/api/jobs", json={"spec": yaml.safe_dump(long_job)}).json()["id"]
+        page.goto(f"{server.url}/#/jobs/{long_id}")
+        expect(page.locator("#cancel")).to_be_visible(timeout=10_000)
+        _wait_for_state(long_id, {"STAGING", "RUNNING"}, timeout=60)  # its processes are starting or training
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("#cancel")
+        expect(page.locator("#job-state")).to_have_text("CANCELLED", timeout=60_000)
+        expect(page.locator("#job-cause")).to_contain_text("cancelled by user")
