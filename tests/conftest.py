@@ -6,13 +6,16 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
 from safetensors.torch import load_file
+
+if TYPE_CHECKING:
+    from raycluster import RayCluster
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
@@ -105,6 +108,20 @@ def one_image_per_class(root: Path, count: int, size: tuple[int, int] = (60, 40)
         pixels = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
         Image.fromarray(pixels).save(folder / "img.jpg", quality=85)
     return root
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[RayCluster]:
+    """A real two-node Ray cluster on 127.0.0.1 with token authentication, shared by every test that needs one."""
+    from raycluster import RayCluster
+
+    cluster = RayCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+    assert not cluster.leftover_processes(), "the test Ray cluster left processes behind"
 
 
 @pytest.fixture

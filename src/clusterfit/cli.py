@@ -29,7 +29,7 @@ errors = Console(stderr=True, highlight=False)
 
 BackendOption = Annotated[
     Optional[str],  # noqa: UP045 - typer needs Optional here
-    typer.Option("--backend", help="The engine: local, slurm, kubernetes (overrides resources.backend)."),
+    typer.Option("--backend", help="The engine: local, ray, slurm, kubernetes (overrides resources.backend)."),
 ]
 SetOption = Annotated[
     Optional[list[str]],  # noqa: UP045 - typer needs Optional here
@@ -91,7 +91,7 @@ def run(
     if dry_run:
         try:
             rendered = backend.dry_run(spec)
-        except SpecError as exc:
+        except SpecError as exc:  # what only the engine checks (Ray: CPUs to reserve per process)
             raise _fail(str(exc)) from None
         for path, content in rendered.files.items():
             console.print(f"# {path}", markup=False)

@@ -8,6 +8,7 @@ from clusterfit.backends.base import Backend, EngineRef, EngineStatus, Rendered,
 
 _REGISTRY = {
     "local": "clusterfit.backends.local:LocalBackend",
+    "ray": "clusterfit.backends.ray:RayBackend",
     "slurm": "clusterfit.backends.slurm:SlurmBackend",
     "kubernetes": "clusterfit.backends.kubernetes:KubernetesBackend",
 }

@@ -19,10 +19,13 @@ class Rendered:
     files: dict[str, str] = field(default_factory=dict)  # path -> content written before launch
     # Passed to the workers but never printed or written (storage.sas_token).
     secret_env: dict[str, str] = field(default_factory=dict, repr=False)
+    # How the engine places `command` when that is more than running it here (Ray: the placement group).
+    placement: str = ""
 
     def as_text(self) -> str:
         env = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(self.env.items()))
-        return f"{env} {shlex.join(self.command)}".strip()
+        command = f"{env} {shlex.join(self.command)}".strip()
+        return f"{self.placement}\n{command}" if self.placement else command
 
 
 @dataclass(frozen=True)

@@ -89,9 +89,15 @@ def torchrun_command(
     rdzv_endpoint: str | None = None,
     run_id: str | None = None,
     spec_path: str | None = None,
+    rdzv_is_host: bool | None = None,
+    local_addr: str | None = None,
 ) -> list[str]:
     """The agent command for one node. Without `rdzv_endpoint` it is a single-node `--standalone` run
-    (c10d on a free local port); with it, every node joins the c10d rendezvous hosted at that address."""
+    (c10d on a free local port); with it, every node joins the c10d rendezvous hosted at that address.
+
+    `rdzv_is_host` says whether this node's agent hosts the rendezvous store (torchrun guesses it from the
+    host name otherwise, which is ambiguous when several nodes share one host); `local_addr` is the address
+    other nodes reach this one at (torchrun uses its host name otherwise, which may not resolve elsewhere)."""
     out = Path(spec.outputs.dir)
     dist = spec.distribution
     nodes = spec.resources.instance_count
@@ -104,6 +110,10 @@ def torchrun_command(
             f"--rdzv-endpoint={rdzv_endpoint}",
             f"--rdzv-id={run_id or spec.name}",
         ]
+        if rdzv_is_host is not None:
+            placement.append(f"--rdzv-conf=is_host={int(rdzv_is_host)}")
+        if local_addr is not None:
+            placement.append(f"--local-addr={local_addr}")
     return [
         python,
         "-m",

@@ -207,8 +207,12 @@ class KubernetesSpec(_Strict):
 
 class ResourcesSpec(_Strict):
     instance_count: int = Field(1, ge=1, description="nodes; torchrun's agent runs once on each")
-    backend: Literal["local", "slurm", "kubernetes"] = "local"
+    backend: Literal["local", "ray", "slurm", "kubernetes"] = "local"
     gpus_per_instance: int = Field(0, ge=0, description="GPUs per node (Slurm --gpus-per-node, nvidia.com/gpu)")
+    ray_address: str | None = Field(
+        None,
+        description="ray backend: the cluster (host:port, ray://host:port or auto); null = $RAY_ADDRESS, else auto",
+    )
     slurm: SlurmSpec = SlurmSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
 

@@ -1,0 +1,439 @@
+"""A Ray cluster: a placement group with one bundle per node, and in each bundle one actor that runs
+torchrun's elastic agent, exactly the command every other engine runs on a node.
+
+Ray only places and supervises the agents; they rendezvous among themselves (c10d, hosted by node 0's agent
+on a port node 0's actor picks), so the workers see the usual RANK / WORLD_SIZE / MASTER_ADDR environment.
+
+`outputs.dir` (and relative data paths, resolved from the launcher's working directory) must be on a
+filesystem every node sees, like NFS: every rank writes its part of each checkpoint there and rank 0
+publishes it, and every rank's log lands in `outputs.dir/logs/rank-N.log`, where the launcher follows it
+as it does for every engine. Shipping logs back through Ray would not make checkpoints shared, so the
+backend asks for a shared folder once instead of half-working without one.
+
+The actors and the placement group are detached and named after the job: `status` and `cancel` find them
+from any process, and a job survives the launcher (the launcher's Ctrl-C cancels it; a job service keeps
+its `EngineRef`). Whoever sees the job end (the handle, or `cancel`) removes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.torchrun import (
+    RESOLVED_SPEC,
+    resolved_spec_text,
+    storage_secret_env,
+    torchrun_command,
+    worker_env,
+)
+from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
+from clusterfit.spec.errors import SpecError
+from clusterfit.spec.model import JobSpec
+
+NAMESPACE = "clusterfit"
+PLACEMENT_STRATEGY = "STRICT_SPREAD"  # one bundle per Ray node, never two agents on one node
+THREADS_ENV = "OMP_NUM_THREADS"
+_PLACEMENT_TIMEOUT_S = 120.0
+_STOP_GRACE_S = 20.0
+_NODE0_RDZV = "<node 0 IP>:<free port>"
+_LOST_NODE_EXIT = 1  # the exit code of a node whose actor died with its agent
+
+
+@dataclass(frozen=True)
+class AgentState:
+    """One node's agent as its actor sees it: still running (exit_code None) or exited, and when."""
+
+    exit_code: int | None
+    finished_at: float | None = None
+
+
+def job_exit_code(states: list[AgentState]) -> int | None:
+    """The job's exit code: the first non-zero agent exit (the others cannot finish without that node),
+    0 once every agent exited cleanly, None while the job runs."""
+    failed = [s for s in states if s.exit_code not in (None, 0)]
+    if failed:
+        return min(failed, key=lambda s: s.finished_at or 0.0).exit_code
+    if all(s.exit_code == 0 for s in states):
+        return 0
+    return None
+
+
+def cluster_address(spec: JobSpec) -> str:
+    return spec.resources.ray_address or os.environ.get("RAY_ADDRESS") or "auto"
+
+
+def threads_per_process(spec: JobSpec) -> int:
+    """CPU threads per rank: the job's OMP_NUM_THREADS, else 1; the bundle reserves that many cores per rank."""
+    value = spec.environment_variables.get(THREADS_ENV, "1")
+    if not value.isdigit() or int(value) < 1:
+        raise SpecError(
+            f"environment_variables.{THREADS_ENV} = {value!r}: the ray backend reserves that many CPUs per process; "
+            "give a whole number of at least 1"
+        )
+    return int(value)
+
+
+def bundle(spec: JobSpec) -> dict[str, float]:
+    return {"CPU": float(spec.distribution.process_count_per_instance * threads_per_process(spec))}
+
+
+def node_env(spec: JobSpec) -> dict[str, str]:
+    return {**worker_env(threads_per_process(spec)), **spec.environment_variables}
+
+
+def node_command(spec: JobSpec, node: int, *, python: str, node_ip: str, rdzv_endpoint: str, run_id: str) -> list[str]:
+    """The agent command for node `node`: node 0 hosts the rendezvous store; every node announces its Ray IP."""
+    return torchrun_command(
+        spec,
+        python=python,
+        rdzv_endpoint=rdzv_endpoint,
+        run_id=run_id,
+        rdzv_is_host=node == 0,
+        local_addr=node_ip,
+    )
+
+
+class RayBackend:
+    name = "ray"
+
+    def dry_run(self, spec: JobSpec) -> Rendered:
+        nodes = spec.resources.instance_count
+        cpus = bundle(spec)["CPU"]
+        placement = "\n".join(
+            [
+                f"# Ray cluster: {cluster_address(spec)}; namespace {NAMESPACE}",
+                f"# placement group {spec.name}-<id>: {nodes} bundle(s) of {{CPU: {cpus:g}}}, strategy "
+                f"{PLACEMENT_STRATEGY} (one node each)",
+                "# one detached actor per bundle runs this command with its node's python, in a new process group;",
+                "# node 0 hosts the c10d rendezvous on a free port it picks, other nodes pass --rdzv-conf=is_host=0",
+            ]
+        )
+        command = node_command(
+            spec, 0, python="python", node_ip="<node 0 IP>", rdzv_endpoint=_NODE0_RDZV, run_id=f"{spec.name}-<id>"
+        )
+        return Rendered(
+            backend=self.name,
+            command=command,
+            env=node_env(spec),
+            files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(spec)},
+            secret_env=storage_secret_env(spec),
+            placement=placement,
+        )
+
+    def submit(self, spec: JobSpec) -> RayRun:
+        rendered = self.dry_run(spec)
+        ray = _connect(cluster_address(spec))
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        nodes = spec.resources.instance_count
+        group = placement_group([bundle(spec)] * nodes, strategy=PLACEMENT_STRATEGY, name=job_id, lifetime="detached")
+        ready, _ = ray.wait([group.ready()], timeout=_PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(group)
+            alive = sum(1 for node in ray.nodes() if node.get("Alive"))
+            raise RuntimeError(
+                f"resources.instance_count = {nodes}: the Ray cluster at {cluster_address(spec)} did not offer "
+                f"{nodes} separate nodes with {{CPU: {bundle(spec)['CPU']:g}}} free within "
+                f"{_PLACEMENT_TIMEOUT_S:.0f} s ({alive} node(s) alive); lower instance_count or "
+                "process_count_per_instance, or add nodes"
+            )
+        agent_class = ray.remote(NodeAgent)
+        actors = [
+            agent_class.options(
+                name=_actor_name(job_id, node),
+                namespace=NAMESPACE,
+                lifetime="detached",
+                max_restarts=0,
+                num_cpus=bundle(spec)["CPU"],
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=node),
+            ).remote()
+            for node in range(nodes)
+        ]
+        ref = EngineRef(self.name, job_id, {"address": cluster_address(spec), "nodes": str(nodes)})
+        run = RayRun(ref, actors, ray)
+        try:
+            places = ray.get([actor.where.remote() for actor in actors])
+            rdzv_endpoint = f"{places[0].ip}:{ray.get(actors[0].free_port.remote())}"
+            log_dir = str(Path(spec.outputs.dir).resolve() / LOG_DIR)
+            starts = [
+                actor.start.remote(
+                    node_command(
+                        spec, node, python=place.python, node_ip=place.ip, rdzv_endpoint=rdzv_endpoint, run_id=job_id
+                    ),
+                    {**rendered.env, **rendered.secret_env},
+                    rendered.files,
+                    log_dir,
+                    os.getcwd(),
+                )
+                for node, (actor, place) in enumerate(zip(actors, places, strict=True))
+            ]
+            ray.get(starts)
+        except Exception as exc:
+            run.cancel()
+            cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the actor's own exception
+            if isinstance(cause, (SpecError, OSError)):
+                raise cause from None
+            raise
+        return run
+
+    def status(self, ref: EngineRef) -> EngineStatus:
+        ray = _connect(ref.extra.get("address", "auto"))
+        actors = _find_actors(ray, ref)
+        if not actors:
+            return EngineStatus("gone")
+        code = job_exit_code(_agent_states(ray, actors))
+        return EngineStatus("running") if code is None else EngineStatus("exited", code)
+
+    def cancel(self, ref: EngineRef) -> None:
+        ray = _connect(ref.extra.get("address", "auto"))
+        _tear_down(ray, ref.id, _find_actors(ray, ref))
+
+
+class RayRun:
+    """The submitting process's view of a Ray job: polls the node actors, tears everything down at the end."""
+
+    def __init__(self, ref: EngineRef, actors: list[Any], ray: Any) -> None:
+        self.ref = ref
+        self._actors = actors
+        self._ray = ray
+        self._exit_code: int | None = None
+
+    def poll(self) -> int | None:
+        if self._exit_code is None:
+            code = job_exit_code(_agent_states(self._ray, self._actors))
+            if code is not None:
+                _tear_down(self._ray, self.ref.id, self._actors)  # stops the other nodes after a failure
+                self._exit_code = code
+        return self._exit_code
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"Ray job {self.ref.id} still running after {timeout} s")
+            time.sleep(0.5)
+        return code
+
+    def cancel(self) -> None:
+        if self._exit_code is None:
+            _tear_down(self._ray, self.ref.id, self._actors)
+            self._exit_code = -signal.SIGTERM  # what a cancelled agent reports on every other engine
+
+
+@dataclass(frozen=True)
+class NodePlace:
+    ip: str
+    python: str
+
+
+class NodeAgent:
+    """Lives in one bundle of the job's placement group, on its node: starts torchrun's agent in a process
+    group of its own and, when asked, stops it with every process it started."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+        self._finished_at: float | None = None
+        self._tree: list[Any] = []  # psutil.Process of the agent and of every descendant seen so far
+
+    def where(self) -> NodePlace:
+        import ray
+
+        return NodePlace(ray.util.get_node_ip_address(), sys.executable)
+
+    def free_port(self) -> int:
+        # NOTE: released before torchrun binds it; another process may take it in between, which then fails the
+        # job's start with "address in use" rather than joining a wrong job.
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return sock.getsockname()[1]
+
+    def start(self, command: list[str], env: dict[str, str], files: dict[str, str], log_dir: str, cwd: str) -> int:
+        if not os.path.isdir(cwd):
+            raise SpecError(
+                f"the launcher's working directory {cwd} does not exist on Ray node {self.where().ip}; run from a "
+                "folder every node sees (outputs.dir and data paths must be on a shared filesystem)"
+            )
+        for path, content in files.items():
+            target = Path(cwd, path)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            tmp.write_text(content)
+            os.replace(tmp, target)
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        with open(Path(log_dir) / AGENT_LOG, "a") as agent_log:
+            self._process = subprocess.Popen(
+                command,
+                cwd=cwd,
+                env={**os.environ, **env},
+                stdout=agent_log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_stop_when_actor_dies,
+            )
+        threading.Thread(target=self._record_exit, daemon=True).start()
+        return self._process.pid
+
+    def state(self) -> AgentState:
+        if self._process is None:
+            return AgentState(None)
+        return AgentState(self._process.poll(), self._finished_at)
+
+    def processes(self) -> list[int]:
+        """Pids of the agent and every live descendant (workers, their data loaders)."""
+        self._remember_tree()
+        return [process.pid for process in self._tree if _alive(process)]
+
+    def stop(self) -> list[int]:
+        """SIGTERM to the agent's group (torchrun stops its workers), then SIGKILL to whatever of the process
+        tree remains; returns the pids still alive after that, which should be none."""
+        if self._process is None:
+            return []
+        self._remember_tree()
+        if self._process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGTERM)
+        self._wait_tree_gone(_STOP_GRACE_S)
+        self._remember_tree()
+        for process in self._tree:
+            with contextlib.suppress(Exception):
+                process.kill()
+        self._wait_tree_gone(5.0)
+        return [process.pid for process in self._tree if _alive(process)]
+
+    def _record_exit(self) -> None:
+        assert self._process is not None
+        self._process.wait()
+        self._finished_at = time.time()
+
+    def _remember_tree(self) -> None:
+        import psutil
+
+        if self._process is None:
+            return
+        known = {process.pid for process in self._tree}
+        with contextlib.suppress(psutil.Error):
+            root = psutil.Process(self._process.pid)
+            for process in [root, *root.children(recursive=True)]:
+                if process.pid not in known:
+                    self._tree.append(process)
+                    known.add(process.pid)
+        # Workers whose agent died are no longer its children; their own children still count.
+        for process in list(self._tree):
+            with contextlib.suppress(psutil.Error):
+                for child in process.children(recursive=True):
+                    if child.pid not in known:
+                        self._tree.append(child)
+                        known.add(child.pid)
+
+    def _wait_tree_gone(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(_alive(process) for process in self._tree) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _alive(process: Any) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _stop_when_actor_dies() -> None:
+    # NOTE: runs in the child before exec. If the actor is killed outright, the kernel sends the agent SIGTERM
+    # and the agent stops its workers: a killed actor leaves no training processes behind.
+    if sys.platform == "linux":
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _actor_name(job_id: str, node: int) -> str:
+    return f"{job_id}-node-{node}"
+
+
+def _connect(address: str) -> Any:
+    """The `ray` module, connected to the cluster at `address` (once per process)."""
+    try:
+        import ray
+    except ImportError:
+        raise SpecError(
+            "resources.backend = 'ray' needs Ray on the launching machine: pip install 'clusterfit[ray]'"
+        ) from None
+    if not ray.is_initialized():
+        _check_reachable(address)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+        except Exception as exc:  # Ray raises ConnectionError, RuntimeError or its own types here
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConnectionError(
+                f"resources.ray_address = {address!r}: cannot join a Ray cluster there ({reason}); start one with "
+                "`ray start --head`, set resources.ray_address or RAY_ADDRESS, and RAY_AUTH_TOKEN if it uses tokens"
+            ) from None
+    return ray
+
+
+def _check_reachable(address: str) -> None:
+    # NOTE: Ray retries an unreachable cluster for minutes with nothing but warnings; a plain TCP connection
+    # turns a wrong address or a stopped cluster into an error at once.
+    if address == "auto":
+        return  # Ray finds a local cluster itself, and says so at once when there is none
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=10):
+            return
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+    raise ConnectionError(
+        f"resources.ray_address = {address!r}: no Ray cluster answers there ({reason}); start one with "
+        "`ray start --head`, or set resources.ray_address or RAY_ADDRESS to its host:port"
+    )
+
+
+def _find_actors(ray: Any, ref: EngineRef) -> list[Any]:
+    actors = []
+    for node in range(int(ref.extra.get("nodes", "0"))):
+        with contextlib.suppress(ValueError):
+            actors.append(ray.get_actor(_actor_name(ref.id, node), namespace=NAMESPACE))
+    return actors
+
+
+def _agent_states(ray: Any, actors: list[Any]) -> list[AgentState]:
+    states = []
+    for pending in [actor.state.remote() for actor in actors]:
+        try:
+            states.append(ray.get(pending))
+        except ray.exceptions.RayActorError:  # its node died or someone killed it: that node's agent is gone
+            states.append(AgentState(_LOST_NODE_EXIT, time.time()))
+    return states
+
+
+def _tear_down(ray: Any, job_id: str, actors: list[Any]) -> None:
+    """Stop every agent and its workers, then the actors, then free the placement group."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    leftovers = []
+    for actor, stopped in zip(actors, [actor.stop.remote() for actor in actors], strict=True):
+        with contextlib.suppress(Exception):  # an actor that already died has no processes left to stop
+            leftovers += ray.get(stopped)
+        ray.kill(actor, no_restart=True)
+    with contextlib.suppress(ValueError):
+        remove_placement_group(get_placement_group(job_id))
+    if leftovers:
+        raise RuntimeError(f"Ray job {job_id}: processes {leftovers} survived SIGKILL")

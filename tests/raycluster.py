@@ -1,0 +1,131 @@
+"""A real two-node Ray cluster on 127.0.0.1 for tests: a head and a second node, each its own `ray start
+--block` process group with free ports, a temp folder, one CPU, token authentication on; stopped after."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from azurite import free_port
+
+RAY = str(Path(sys.executable).with_name("ray"))  # the venv's ray, so Ray's workers run the venv's python
+_MEMORY = str(2 * 1024**3)  # Ray would count the host's memory once per node and overcommit it
+_OBJECT_STORE = str(200 * 1024**2)
+
+
+class RayCluster:
+    def __init__(self) -> None:
+        # NOTE: a short folder under /tmp: Ray's Unix socket paths must stay under 108 characters.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="cfray-", dir="/tmp"))
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+        self.nodes: list[subprocess.Popen[bytes]] = []
+
+    def client_env(self, **extra: str) -> dict[str, str]:
+        """The current environment plus what a launcher needs to join this cluster: the address and the token."""
+        return {**os.environ, **self.auth, "RAY_ADDRESS": self.address, "COLUMNS": "200", **extra}
+
+    def start(self) -> None:
+        common = [
+            "--num-cpus=1",
+            f"--memory={_MEMORY}",
+            f"--object-store-memory={_OBJECT_STORE}",
+            "--disable-usage-stats",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--block",
+        ]
+        self._start_node(
+            "head",
+            [
+                "--head",
+                f"--port={self.port}",
+                "--node-ip-address=127.0.0.1",
+                f"--temp-dir={self.temp_dir}",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={free_port()}",
+                *common,
+            ],
+        )
+        self._wait_for_nodes(1)
+        self._start_node("node", [f"--address={self.address}", "--node-ip-address=127.0.0.1", *common])
+        self._wait_for_nodes(2)
+
+    def alive_nodes(self) -> int:
+        result = subprocess.run(
+            [sys.executable, "-c", "import ray; ray.init(); print(sum(n['Alive'] for n in ray.nodes()))"],
+            env={**self.client_env(), "RAY_LOG_TO_STDERR": "0"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines = result.stdout.strip().splitlines()
+        return int(lines[-1]) if result.returncode == 0 and lines and lines[-1].isdigit() else 0
+
+    def placement_groups(self) -> dict[str, str]:
+        """Name -> state of every placement group the cluster knows."""
+        script = (
+            "import json, ray; ray.init(); "
+            "print(json.dumps({g['name']: g['state'] for g in ray.util.placement_group_table().values()}))"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=self.client_env(), capture_output=True, text=True, timeout=120
+        )
+        assert result.returncode == 0, result.stderr
+        import json
+
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        """Every process of both nodes: SIGTERM to each `ray start --block`, which stops its node's daemons
+        (a SIGTERM to their whole group makes it wait half a minute for them instead), SIGKILL to what
+        remains of its group, then to anything left that runs from the cluster's temp folder."""
+        for node in reversed(self.nodes):
+            node.terminate()
+        for node in self.nodes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.wait(30)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+            node.wait()
+        for process in self.leftover_processes():
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def leftover_processes(self) -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter(["cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if any(str(self.temp_dir) in part for part in process.info["cmdline"] or []):
+                    found.append(process)
+        return found
+
+    def _start_node(self, label: str, args: list[str]) -> None:
+        log = open(self.temp_dir / f"ray-start-{label}.log", "wb")  # noqa: SIM115 - kept open by the child
+        self.nodes.append(
+            subprocess.Popen(
+                [RAY, "start", *args],
+                env={**os.environ, **self.auth, "RAY_ADDRESS": ""},  # never join a cluster someone else started
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
+
+    def _wait_for_nodes(self, count: int) -> None:
+        deadline = time.monotonic() + 180
+        while self.alive_nodes() < count:
+            if any(node.poll() is not None for node in self.nodes) or time.monotonic() > deadline:
+                logs = "\n".join(p.read_text()[-2000:] for p in self.temp_dir.glob("ray-start-*.log"))
+                raise RuntimeError(f"the Ray test cluster did not reach {count} node(s):\n{logs}")
+            time.sleep(1)

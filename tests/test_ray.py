@@ -1,0 +1,263 @@
+"""The Ray engine: its pure parts, its dry-run rendering, and real jobs on a real two-node Ray cluster on
+127.0.0.1 (token authentication on) through the CLI as a user would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
+from raycluster import RayCluster
+
+from clusterfit.backends.ray import AgentState, job_exit_code
+from clusterfit.service.migrate import open_store
+
+ON_RAY = [
+    "--set",
+    "resources.backend=ray",
+    "--set",
+    "resources.instance_count=2",
+    "--set",
+    "distribution.process_count_per_instance=1",
+]
+TINY_EXAMPLE = [  # the example job at test size
+    "--set=trainer.model=resnet_tiny",
+    "--set=trainer.data.image_size=32",
+    "--set=trainer.batch_size=4",
+    "--set=trainer.steps_per_epoch=4",
+    "--set=trainer.precision=fp32",
+    "--set=trainer.log_every_steps=2",
+]
+RAY_JOB_SCRIPT = str(REPO / "tests" / "scripts" / "ray_job.py")
+
+
+@pytest.mark.parametrize(
+    ("states", "expected"),
+    [
+        ([AgentState(None), AgentState(None)], None),
+        ([AgentState(0, 5.0), AgentState(None)], None),
+        ([AgentState(0, 5.0), AgentState(0, 6.0)], 0),
+        ([AgentState(None), AgentState(1, 5.0)], 1),  # a failed node ends the job while others still run
+        ([AgentState(-15, 9.0), AgentState(1, 5.0)], 1),  # the first failure is the cause, not the fallout
+        ([AgentState(0, 1.0), AgentState(-9, 7.0)], -9),
+    ],
+)
+def test_job_exit_code_is_the_first_failure(states: list[AgentState], expected: int | None) -> None:
+    assert job_exit_code(states) == expected
+
+
+def test_dry_run_renders_the_placement_group_and_node_command(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = tiny_job(out)
+    job["resources"] = {"instance_count": 2, "backend": "ray", "ray_address": "ray://head.example:10001"}
+    job["distribution"]["process_count_per_instance"] = 2
+    job["environment_variables"] = {"OMP_NUM_THREADS": "3", "NCCL_DEBUG": "INFO"}
+    job["storage"] = {"account_name": "acct", "sas_token": "sv=2024&sig=SECRETSIGNATURE"}
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "SECRETSIGNATURE" not in result.stdout + result.stderr
+    rendering = result.stdout.split("# ray backend command\n")[1]
+    assert rendering == (
+        "# Ray cluster: ray://head.example:10001; namespace clusterfit\n"
+        "# placement group tiny-<id>: 2 bundle(s) of {CPU: 6}, strategy STRICT_SPREAD (one node each)\n"
+        "# one detached actor per bundle runs this command with its node's python, in a new process group;\n"
+        "# node 0 hosts the c10d rendezvous on a free port it picks, other nodes pass --rdzv-conf=is_host=0\n"
+        "NCCL_DEBUG=INFO OMP_NUM_THREADS=3 PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "python -m torch.distributed.run --nnodes=2 --rdzv-backend=c10d '--rdzv-endpoint=<node 0 IP>:<free port>' "
+        "'--rdzv-id=tiny-<id>' --rdzv-conf=is_host=1 '--local-addr=<node 0 IP>' --nproc-per-node=2 "
+        f"--max-restarts=0 --logs-specs=clusterfit --log-dir={out / 'logs'} "
+        f"-m clusterfit.worker --spec {out / 'job.yaml'}\n"
+    )
+    assert not out.exists(), "a dry run writes nothing"
+
+
+def test_threads_that_are_not_a_count_are_one_line_errors(tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "out")
+    job["environment_variables"] = {"OMP_NUM_THREADS": "many"}
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--dry-run", *ON_RAY)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: environment_variables.OMP_NUM_THREADS = 'many': the ray backend reserves that many CPUs per "
+        "process; give a whole number of at least 1"
+    ]
+
+
+def test_no_cluster_at_the_address_is_named_without_a_traceback(tmp_path: Path) -> None:
+    job = write_job(tmp_path / "job.yaml", tiny_job(tmp_path / "out"))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    nobody = f"--set=resources.ray_address=127.0.0.1:{_closed_port()}"
+    result = subprocess.run(
+        cli_command("run", str(job), *ON_RAY, nobody), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].endswith("failed: the engine refused the job"), lines
+    assert lines[1].startswith("error: ray: resources.ray_address = '127.0.0.1:"), lines
+    assert "no Ray cluster answers there (Connection refused); start one with `ray start --head`" in lines[1]
+
+
+def test_example_job_trains_to_an_exported_model_on_two_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    example = REPO / "examples" / "resnet50-synthetic.yaml"  # the local example; only --set moves it to Ray
+    result = subprocess.run(
+        cli_command("run", str(example), *TINY_EXAMPLE, f"--set=outputs.dir={out}", *ON_RAY),
+        env=ray_cluster.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (out / "model" / "model.safetensors").stat().st_size > 0
+    assert (out / "model" / "model.torchscript.pt").stat().st_size > 0
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    for rank in (0, 1):  # every rank's log comes back labelled, from its own node
+        assert re.search(rf"^\[rank{rank}\] .*rank {rank} of 2 \(local rank 0\)", result.stdout, re.M), result.stdout
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
+    assert not _job_processes(out)
+
+
+def test_ctrl_c_stops_every_process_and_removes_the_placement_group(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml", tiny_job(out, steps_per_epoch=None))  # thousands of steps
+    with open(tmp_path / "launcher.log", "w") as log:
+        launcher = subprocess.Popen(
+            cli_command("run", str(job), *ON_RAY),
+            env=ray_cluster.client_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    processes = _wait_until_training(out, launcher)
+    launcher.send_signal(signal.SIGINT)
+    assert launcher.wait(180) == 130, (tmp_path / "launcher.log").read_text()[-3000:]
+    assert not [p.pid for p in processes if _alive(p)], "agents or workers outlived the cancel"
+    assert not _job_processes(out)
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
+    assert not (out / "summary.json").exists()
+
+
+def test_a_dead_worker_fails_the_job_and_stops_the_other_node(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml", tiny_job(out, steps_per_epoch=None))
+    launcher = subprocess.Popen(
+        cli_command("run", str(job), *ON_RAY),
+        env=ray_cluster.client_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    processes = _wait_until_training(out, launcher)
+    rank1 = int(re.search(r"rank 1 of 2 .* pid (\d+)", (out / "logs" / "rank-1.log").read_text()).group(1))
+    os.kill(rank1, signal.SIGKILL)  # max_restarts 0: node 1's agent gives up, and so the job
+    _, stderr = launcher.communicate(timeout=300)
+    assert launcher.returncode == 1, stderr[-3000:]
+    lines = stderr.splitlines()
+    assert re.fullmatch(r"error: job tiny \(\w+\) failed: killed by a signal", lines[0]), stderr[-3000:]
+    assert lines[1].startswith("error: rank 1 killed by SIGKILL (signal 9)"), stderr[-3000:]
+    assert "Traceback" not in stderr
+    assert not [p.pid for p in processes if _alive(p)], "node 0 kept running after node 1 failed"
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
+
+
+def test_another_process_finds_the_job_for_status_and_cancel(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """The submitter exits at once; the job runs on, and other processes query and cancel it by reference."""
+    out = tmp_path / "out"
+    job = tiny_job(out, steps_per_epoch=None)
+    job["resources"] = {"instance_count": 2, "backend": "ray", "ray_address": ray_cluster.address}
+    job["distribution"]["process_count_per_instance"] = 1
+    ref = _ray_job(ray_cluster, "submit", str(write_job(tmp_path / "job.yaml", job)))
+    assert ref.startswith("{") and '"backend": "ray"' in ref
+    processes = _wait_until_training(out, None)
+    assert json.loads(_ray_job(ray_cluster, "status", ref)) == {"state": "running", "exit_code": None}
+    assert ray_cluster.placement_groups()[json.loads(ref)["id"]] == "CREATED"
+
+    assert _ray_job(ray_cluster, "cancel", ref) == "cancelled"
+    assert not [p.pid for p in processes if _alive(p)], "agents or workers outlived the cancel"
+    assert json.loads(_ray_job(ray_cluster, "status", ref)) == {"state": "gone", "exit_code": None}
+    assert ray_cluster.placement_groups()[json.loads(ref)["id"]] == "REMOVED"
+
+
+def test_service_runs_a_submitted_ray_job_and_cancels_it(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """`clusterfit submit` hands the job to a detached supervisor, which places it on Ray; `clusterfit cancel`
+    stops it there."""
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml", tiny_job(out, steps_per_epoch=None))
+    env = ray_cluster.client_env()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cli_command(*args), env=env, capture_output=True, text=True, timeout=300)
+
+    submitted = cli("submit", str(job), *ON_RAY)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    processes = _wait_until_training(out, None)
+    wait_for(lambda: "RUNNING" in cli("status", job_id).stdout, 60, "RUNNING")
+    ref = json.loads(open_store().get(job_id).engine_ref)
+    assert ref["backend"] == "ray" and ray_cluster.placement_groups()[ref["id"]] == "CREATED"
+
+    cancelled = cli("cancel", job_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.strip() == f"job {job_id} CANCELLED"
+    wait_for(lambda: not [p.pid for p in processes if _alive(p)], 60, "the job's processes to end")
+    assert ray_cluster.placement_groups()[ref["id"]] == "REMOVED"
+
+
+def _ray_job(cluster: RayCluster, action: str, argument: str) -> str:
+    result = subprocess.run(
+        [sys.executable, RAY_JOB_SCRIPT, action, argument],
+        env=cluster.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip().splitlines()[-1]
+
+
+def _wait_until_training(out: Path, launcher: subprocess.Popen[bytes] | None) -> list[psutil.Process]:
+    """Once rank 0 logged a step: the job's agents and workers, two of each at least."""
+    deadline = time.monotonic() + 300
+    rank0 = out / "logs" / "rank-0.log"
+    while not (rank0.exists() and " step " in rank0.read_text()):
+        assert launcher is None or launcher.poll() is None, "the launcher ended before training started"
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.2)
+    processes = _job_processes(out)
+    agents = [p for p in processes if "torch.distributed.run" in " ".join(p.cmdline())]
+    assert len(agents) == 2 and len(processes) >= 4, [p.cmdline() for p in processes]
+    return processes
+
+
+def _job_processes(out: Path) -> list[psutil.Process]:
+    """torchrun agents (--log-dir=OUT/logs) and workers (--spec OUT/job.yaml) of the job writing to `out`."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(process.info["cmdline"] or [])
+        if str(out) in cmdline and "clusterfit" in cmdline and process.pid != os.getpid() and _alive(process):
+            found.append(process)
+    return found
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
