@@ -16,6 +16,7 @@ import psutil
 import pytest
 from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 from raycluster import RayCluster
+from test_command_jobs import command_job, user_code
 
 from clusterfit.backends.ray import AgentState, job_exit_code
 from clusterfit.service.migrate import open_store
@@ -261,3 +262,24 @@ def _closed_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["pytorch", "mpi", "tensorflow"])
+def test_a_command_job_gets_its_environment_on_two_ray_nodes(
+    ray_cluster: RayCluster, tmp_path: Path, kind: str
+) -> None:
+    """The user-script contract of each distribution.type holds across two Ray nodes (1 process each)."""
+    out = tmp_path / "out"
+    job = command_job(out, user_code(tmp_path), f"python env_contract.py {kind}", kind, processes=1)
+    result = subprocess.run(
+        cli_command("run", str(write_job(tmp_path / "job.yaml", job)), *ON_RAY),
+        env=ray_cluster.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in range(2):
+        assert f"[rank{rank}] env ok: {kind} rank {rank}/2 in code" in result.stdout, result.stdout[-3000:]
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
+    assert not _job_processes(out)

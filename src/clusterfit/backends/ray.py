@@ -35,8 +35,10 @@ from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.torchrun import (
     RESOLVED_SPEC,
     resolved_spec_text,
+    ship_code,
     storage_secret_env,
     torchrun_command,
+    with_shipped_code,
     worker_env,
 )
 from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
@@ -128,7 +130,7 @@ class RayBackend:
             backend=self.name,
             command=command,
             env=node_env(spec),
-            files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(spec)},
+            files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(with_shipped_code(spec))},
             secret_env=storage_secret_env(spec),
             placement=placement,
         )
@@ -136,6 +138,7 @@ class RayBackend:
     def submit(self, spec: JobSpec) -> RayRun:
         rendered = self.dry_run(spec)
         ray = _connect(cluster_address(spec))
+        ship_code(spec)  # into outputs.dir, which every node sees
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
