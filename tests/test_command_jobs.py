@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, run_cli, tiny_job, write_job
+from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 
 from clusterfit.spec import SpecError, validate_spec
 from clusterfit.worker.command import mpi_env, tf_config
@@ -112,3 +114,38 @@ def test_a_missing_code_folder_is_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "code = " in result.stderr and "no such folder" in result.stderr
+
+
+def test_cancel_stops_a_worker_that_ignores_sigterm(tmp_path: Path) -> None:
+    """torchrun puts each worker in a session of its own: a worker deaf to SIGTERM is still killed on cancel."""
+    out = tmp_path / "out"
+    marker = f"deaf to SIGTERM in {tmp_path}"  # unique: other runs' processes never count
+    stubborn = f"trap '' TERM; echo {marker}; while true; do sleep 0.2; done"
+    job = command_job(out, user_code(tmp_path), stubborn, processes=1)
+    launcher = subprocess.Popen(
+        cli_command("run", str(write_job(tmp_path / "job.yaml", job))),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log = out / "logs" / "rank-0.log"
+    try:
+        wait_for(lambda: log.exists() and marker in log.read_text(), 120, "the worker to start")
+        worker = [
+            int(entry.name)
+            for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and marker.encode() in _cmdline(entry)
+        ]
+        assert worker
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(120) == 130
+    finally:
+        launcher.kill()
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in worker), 10, "the deaf worker to be killed")
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

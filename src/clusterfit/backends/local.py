@@ -58,7 +58,7 @@ class LocalBackend:
                 stdout=agent_log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                start_new_session=True,  # its own process group: cancel reaches the agent and every worker
+                start_new_session=True,  # its own process group: a cancel reaches the agent and its helpers
                 preexec_fn=_stop_when_launcher_dies,
             )
         return LocalRun(process)
@@ -75,7 +75,7 @@ class LocalBackend:
 class LocalRun:
     def __init__(self, process: subprocess.Popen[bytes]) -> None:
         self.process = process
-        # The agent leads its own session, so its pid is also the process group of every worker.
+        # The agent leads its own session, so its pid names its process group.
         self.ref = EngineRef("local", str(process.pid), {"start_time": process_start_time(process.pid) or ""})
 
     def poll(self) -> int | None:
@@ -97,11 +97,41 @@ class LocalRun:
 
 
 def _stop_group(pgid: int, wait: Callable[[float], None]) -> None:
+    # NOTE: torchrun starts each worker in a session of its own, so the agent's group holds the agent (and
+    # the staging/data-loader helpers it shares a group with) but not the workers. SIGTERM to the agent makes
+    # it stop the workers; workers found beforehand are killed too if they outlive the grace period.
+    workers = _descendants(pgid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
     wait(_CANCEL_GRACE_S)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)  # also reaps workers that outlived the agent
+        os.killpg(pgid, signal.SIGKILL)
+    for pid, start_time in workers.items():
+        if process_start_time(pid) == start_time:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every process below `pid` (read from /proc; the start time guards pid reuse)."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        starts[int(entry.name)] = fields[19]
+    found: dict[int, str] = {}
+    pending = list(children.get(pid, []))
+    while pending:
+        child = pending.pop()
+        found[child] = starts[child]
+        pending += children.get(child, [])
+    return found
 
 
 def process_start_time(pid: int) -> str | None:
