@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    REPO,
     cli_command,
     exported_weights,
     max_abs_difference,
@@ -250,3 +251,11 @@ def test_failed_job_names_the_rank_and_the_exception(tmp_path: Path, tiny_imagef
     ), errors
     assert errors[-1] == f"error: every rank's log is in {tmp_path / 'out' / 'logs'}"
     assert "Traceback" not in result.stderr
+
+
+def test_the_engines_example_runs_to_completion_locally(tmp_path: Path) -> None:
+    """The example that the Ray and Slurm tests run unchanged but for the backend, on this machine."""
+    out = tmp_path / "out"
+    result = run_cli("run", str(REPO / "examples" / "engines-tiny.yaml"), "--set", f"outputs.dir={out}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert exported_weights(out)

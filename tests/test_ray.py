@@ -29,14 +29,6 @@ ON_RAY = [
     "--set",
     "distribution.process_count_per_instance=1",
 ]
-TINY_EXAMPLE = [  # the example job at test size
-    "--set=trainer.model=resnet_tiny",
-    "--set=trainer.data.image_size=32",
-    "--set=trainer.batch_size=4",
-    "--set=trainer.steps_per_epoch=4",
-    "--set=trainer.precision=fp32",
-    "--set=trainer.log_every_steps=2",
-]
 RAY_JOB_SCRIPT = str(REPO / "tests" / "scripts" / "ray_job.py")
 
 
@@ -108,9 +100,9 @@ def test_no_cluster_at_the_address_is_named_without_a_traceback(tmp_path: Path) 
 
 def test_example_job_trains_to_an_exported_model_on_two_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    example = REPO / "examples" / "resnet50-synthetic.yaml"  # the local example; only --set moves it to Ray
+    example = REPO / "examples" / "engines-tiny.yaml"  # the example every engine runs; only --set moves it to Ray
     result = subprocess.run(
-        cli_command("run", str(example), *TINY_EXAMPLE, f"--set=outputs.dir={out}", *ON_RAY),
+        cli_command("run", str(example), f"--set=outputs.dir={out}", *ON_RAY),
         env=ray_cluster.client_env(),
         capture_output=True,
         text=True,
