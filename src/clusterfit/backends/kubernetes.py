@@ -8,13 +8,13 @@ the model land there); a command job's `code` must be in the image or on a mount
 from __future__ import annotations
 
 import re
-import time
 from pathlib import PurePosixPath
 from typing import Any
 
 import yaml
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import RDZV_PORT, RESOLVED_SPEC, resolved_spec_text, torchrun_command, worker_env
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec
@@ -152,7 +152,7 @@ class KubernetesBackend:
             files={manifests_file: manifests_text(render_manifests(spec))},
         )
 
-    def submit(self, spec: JobSpec) -> KubernetesRun:
+    def submit(self, spec: JobSpec) -> PolledRun:
         config_map, job = render_manifests(spec)
         core, custom = _clients()
         namespace = spec.resources.kubernetes.namespace
@@ -163,7 +163,7 @@ class KubernetesBackend:
             custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
         except ApiException as exc:
             raise SpecError(f"the Kubernetes API refused the job: {exc.status} {exc.reason}") from None
-        return KubernetesRun(EngineRef(self.name, job["metadata"]["name"], {"namespace": namespace}), self)
+        return PolledRun(EngineRef(self.name, job["metadata"]["name"], {"namespace": namespace}), self, _POLL_EVERY_S)
 
     def status(self, ref: EngineRef) -> EngineStatus:
         from kubernetes.client.exceptions import ApiException
@@ -221,31 +221,3 @@ def _clients() -> tuple[Any, Any]:
             "the manifests for kubectl apply"
         ) from None
     return client.CoreV1Api(), client.CustomObjectsApi()
-
-
-class KubernetesRun:
-    def __init__(self, ref: EngineRef, backend: KubernetesBackend) -> None:
-        self.ref = ref
-        self._backend = backend
-        self._checked_at = 0.0
-        self._code: int | None = None
-
-    def poll(self) -> int | None:
-        now = time.monotonic()
-        if self._code is None and now - self._checked_at >= _POLL_EVERY_S:
-            self._checked_at = now
-            status = self._backend.status(self.ref)
-            if status.state != "running":
-                self._code = status.exit_code if status.exit_code is not None else 1
-        return self._code
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"PyTorchJob {self.ref.id} still running after {timeout} s")
-            time.sleep(0.5)
-        return code
-
-    def cancel(self) -> None:
-        self._backend.cancel(self.ref)

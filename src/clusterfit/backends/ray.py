@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.polled import wait_for_exit
 from clusterfit.backends.torchrun import (
     RESOLVED_SPEC,
     resolved_spec_text,
@@ -225,12 +226,7 @@ class RayRun:
         return self._exit_code
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"Ray job {self.ref.id} still running after {timeout} s")
-            time.sleep(0.5)
-        return code
+        return wait_for_exit(self.poll, timeout, f"Ray job {self.ref.id}", every_s=0.5)
 
     def cancel(self) -> None:
         if self._exit_code is None:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.local import _write_atomically
+from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import (
     RESOLVED_SPEC,
     resolved_spec_text,
@@ -129,7 +130,7 @@ class SlurmBackend:
             secret_env=storage_secret_env(spec),
         )
 
-    def submit(self, spec: JobSpec) -> SlurmRun:
+    def submit(self, spec: JobSpec) -> PolledRun:
         if shutil.which("sbatch") is None:
             raise SpecError("resources.backend = 'slurm' but sbatch is not on PATH; run on a Slurm login node")
         rendered = self.dry_run(spec)
@@ -144,7 +145,7 @@ class SlurmBackend:
         if result.returncode != 0:
             raise SpecError(f"sbatch refused the job: {result.stderr.strip() or result.stdout.strip()}")
         job_id = result.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;cluster"
-        return SlurmRun(EngineRef(self.name, job_id), self)
+        return PolledRun(EngineRef(self.name, job_id), self, _STATUS_EVERY_S)
 
     def status(self, ref: EngineRef) -> EngineStatus:
         state, exit_code = job_state(ref.id)
@@ -191,34 +192,3 @@ def _exit_code(code: str, state: str) -> int | None:
     if signal_number and signal_number != "0":
         return 128 + int(signal_number)
     return int(exit_status) if exit_status.isdigit() else None
-
-
-class SlurmRun:
-    def __init__(self, ref: EngineRef, backend: SlurmBackend) -> None:
-        self.ref = ref
-        self._backend = backend
-        self._checked_at = 0.0
-        self._code: int | None = None
-
-    def poll(self) -> int | None:
-        # Asking the controller on every follow tick would load it for nothing: once a second is enough.
-        now = time.monotonic()
-        if self._code is None and now - self._checked_at >= _STATUS_EVERY_S:
-            self._checked_at = now
-            status = self._backend.status(self.ref)
-            if status.state == "exited":
-                self._code = status.exit_code if status.exit_code is not None else 1
-            elif status.state == "gone":
-                self._code = 1
-        return self._code
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"slurm job {self.ref.id} still running after {timeout} s")
-            time.sleep(0.2)
-        return code
-
-    def cancel(self) -> None:
-        self._backend.cancel(self.ref)
