@@ -18,14 +18,13 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 import yaml
 
 from clusterfit.backends.torchrun import threads_per_worker
+from clusterfit.bench.machine import bench_precision
 from clusterfit.bench.train import NUM_CLASSES, _run, machine_facts
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES
-from clusterfit.worker.precision import resolve_precision
 
 MODES = ("none", "sync", "async")
 _MODE_NAMES = {"none": "none mid-epoch", "sync": "synchronous", "async": "asynchronous"}
@@ -124,11 +123,7 @@ class CkptBenchReport:
 
 
 def run_ckpt_bench(config: CkptBenchConfig, out_dir: Path | None) -> CkptBenchReport:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        precision = resolve_precision(config.precision, device).name
-    except ValueError as exc:
-        raise SpecError(f"--precision {config.precision}: {exc}") from None
+    precision = bench_precision(config.precision)  # every system gets this concrete dtype
     report = CkptBenchReport(config, machine_facts(), precision)
     if config.directory is not None:
         config.directory.mkdir(parents=True, exist_ok=True)

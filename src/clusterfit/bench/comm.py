@@ -19,13 +19,11 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
-
 from clusterfit.backends.torchrun import threads_per_worker
+from clusterfit.bench.machine import bench_precision
 from clusterfit.bench.train import TrainBenchConfig, _run, machine_facts, run_clusterfit
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES
-from clusterfit.worker.precision import resolve_precision
 
 RESULTS_JSON = "comm.json"
 
@@ -191,11 +189,7 @@ def measure_buckets(config: CommBenchConfig, precision: str, workdir: Path) -> l
 
 
 def run_comm_bench(config: CommBenchConfig, out_dir: Path | None) -> CommBenchReport:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        precision = resolve_precision(config.precision, device).name
-    except ValueError as exc:
-        raise SpecError(f"--precision {config.precision}: {exc}") from None
+    precision = bench_precision(config.precision)  # every system gets this concrete dtype
     report = CommBenchReport(config, machine_facts(), precision=precision)
     report.backend, report.allreduce = measure_allreduce(config)
     with tempfile.TemporaryDirectory(prefix="clusterfit-bench-comm-") as tmp:

@@ -15,3 +15,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def bench_precision(name: str) -> str:
+    """`--precision` as the concrete dtype every system in a benchmark gets (auto resolved once, here)."""
+    import torch
+
+    from clusterfit.spec.errors import SpecError
+    from clusterfit.worker.precision import resolve_precision
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return resolve_precision(name, device).name
+    except ValueError as exc:
+        raise SpecError(f"--precision {name}: {exc}") from None

@@ -36,10 +36,9 @@ import torch
 import yaml
 
 from clusterfit.backends.torchrun import threads_per_worker
-from clusterfit.bench.machine import cpu_model
+from clusterfit.bench.machine import bench_precision, cpu_model
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES
-from clusterfit.worker.precision import resolve_precision
 
 BASELINES = Path(__file__).resolve().parents[3] / "benchmarks" / "baselines"
 BASELINE_SCRIPT = BASELINES / "ddp_loop.py"
@@ -315,11 +314,7 @@ def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport
     _matplotlib()  # before minutes of training, not after
     if config.ray:
         _require_ray()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        precision = resolve_precision(config.precision, device).name  # both systems get this concrete dtype
-    except ValueError as exc:
-        raise SpecError(f"--precision {config.precision}: {exc}") from None
+    precision = bench_precision(config.precision)  # every system gets this concrete dtype
     report = TrainBenchReport(config, machine_facts(), precision)
     with tempfile.TemporaryDirectory(prefix="clusterfit-bench-train-") as tmp:
         for model in config.models:
