@@ -6,6 +6,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import run_cli
 from sqlalchemy import inspect
 
 from clusterfit.service.migrate import open_store
@@ -83,3 +84,12 @@ def test_ids_resolve_by_unique_prefix(store_url: str) -> None:
     assert store.get(job_id[:6]).id == job_id
     with pytest.raises(JobNotFound, match="clusterfit list"):
         store.get("zzzzzz")
+
+
+def test_an_unreachable_store_is_one_line_without_its_password(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLUSTERFIT_DATABASE_URL", "postgresql+psycopg://user:hunter2@127.0.0.1:1/jobs")
+    result = run_cli("list")
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: job store postgresql+psycopg://user:***@127.0.0.1:1/jobs: ")
+    assert "hunter2" not in result.stderr and "check CLUSTERFIT_DATABASE_URL" in result.stderr

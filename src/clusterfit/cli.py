@@ -149,9 +149,12 @@ def _print_result(spec: JobSpec, out: Path) -> None:
 
 
 def _store():  # noqa: ANN202 - the type lives in a module imported on demand
-    from clusterfit.service.migrate import open_store
+    from clusterfit.service.migrate import StoreUnavailable, open_store
 
-    return open_store()
+    try:
+        return open_store()
+    except StoreUnavailable as exc:
+        raise _fail(str(exc), 1) from None
 
 
 def _user() -> str:

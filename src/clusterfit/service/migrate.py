@@ -13,8 +13,9 @@ from filelock import FileLock
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 from sqlalchemy.engine.url import make_url
+from sqlalchemy.exc import SQLAlchemyError
 
-from clusterfit.service.home import database_url
+from clusterfit.service.home import DATABASE_ENV, database_url
 from clusterfit.service.store import JobStore, make_engine
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
@@ -51,7 +52,19 @@ def migrate(engine: Engine) -> None:
         command.upgrade(config, "head")
 
 
+class StoreUnavailable(RuntimeError):
+    """The job store cannot be opened: a bad URL, a missing driver, or a database that does not answer."""
+
+
 def open_store(url: str | None = None) -> JobStore:
-    engine = make_engine(url or database_url())
-    migrate(engine)
+    url = url or database_url()
+    try:
+        engine = make_engine(url)
+        migrate(engine)
+    except (SQLAlchemyError, ImportError) as exc:
+        shown = make_url(url).render_as_string(hide_password=True) if "://" in url else url
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise StoreUnavailable(
+            f"job store {shown}: {reason}; check {DATABASE_ENV} (or unset it for the SQLite file in the service home)"
+        ) from None
     return JobStore(engine)
