@@ -114,11 +114,14 @@ class SlurmCluster:
                 "SlurmdUser=root",
                 "AuthType=auth/munge",
                 "CredType=cred/munge",
-                f"AuthInfo=socket={self.munge_socket}",
+                # cred_expire is also how long Slurm holds a requeued job before it may start again (default
+                # 120 s): a test needs it short, and starting the job sooner by hand races slurmd's cleanup.
+                f"AuthInfo=socket={self.munge_socket},cred_expire=5",
                 "ProctrackType=proctrack/linuxproc",
                 "TaskPlugin=task/none",
                 "SelectType=select/cons_tres",
                 "SelectTypeParameters=CR_CPU",
+                "SchedulerParameters=sched_interval=2",  # a requeued job starts soon after its hold, not a minute after
                 "MpiDefault=none",
                 "SwitchType=switch/none",
                 "ReturnToService=2",
