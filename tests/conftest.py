@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +57,13 @@ def cli_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "clusterfit", *args]
 
 
-def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, cwd: Path | None = None, timeout: float = 300, prefix: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """`clusterfit ARGS`; `prefix` runs it under another command (a resource limit, a namespace)."""
     env = {**os.environ, "COLUMNS": "200"}
-    return subprocess.run(cli_command(*args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    command = [*prefix, *cli_command(*args)]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def processes_mentioning(marker: str) -> list[int]:

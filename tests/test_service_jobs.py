@@ -1,7 +1,8 @@
 """The job service end to end, as a user types it: real supervisors, real torchrun workers, a real store.
 
 Each test submits a tiny job (resnet_tiny, 32 px, 2 ranks) and reads back what `clusterfit status`, `logs`
-and `show` say; failures are real (an exception, a sleeping rank, SIGKILL) through CLUSTERFIT_FAULT."""
+and `show` say; failures are real (an exception, a sleeping rank, SIGKILL, memory taken until the kernel's OOM
+killer acts, through CLUSTERFIT_FAULT; a DataLoader filling a small /dev/shm)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,25 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+from confinement import memory_limit_missing, memory_limited, small_shm, small_shm_missing
 from conftest import cli_command, processes_mentioning, run_cli, tiny_job, wait_for, write_job
 
 from clusterfit.service.migrate import open_store
 from clusterfit.service.records import read_heartbeats
 
 
-def _submit(tmp_path: Path, name: str = "tiny", **changes: Any) -> tuple[str, Path]:
+def _submit(tmp_path: Path, name: str = "tiny", prefix: Sequence[str] = (), **changes: Any) -> tuple[str, Path]:
+    """Submits a tiny job; its supervisor and workers are started by `submit`, so they run under `prefix` too."""
     out = tmp_path / name
     spec = tiny_job(out, **changes.pop("trainer", {}))
     spec["name"] = name
     spec.update(changes)
-    result = run_cli("submit", str(write_job(tmp_path / f"{name}.yaml", spec)))
+    result = run_cli("submit", str(write_job(tmp_path / f"{name}.yaml", spec)), prefix=prefix)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip(), out
 
@@ -144,6 +148,45 @@ def test_a_rank_killed_by_sigkill_is_named(tmp_path: Path) -> None:
     status = _status(job_id)
     assert "cause: killed by a signal (SIGNAL)" in status or "cause: killed by the OOM killer (OOM)" in status
     assert "rank 1 killed by" in status
+
+
+@pytest.mark.skipif(bool(memory_limit_missing()), reason=str(memory_limit_missing()))
+def test_a_rank_that_runs_out_of_memory_is_named_oom(tmp_path: Path) -> None:
+    # The job's processes take about 1.5 GiB; rank 1 then takes memory until the kernel's OOM killer, acting
+    # on the cgroup's limit, picks the biggest process: itself.
+    with memory_limited(3 << 30) as prefix:
+        job_id, _ = _submit(
+            tmp_path,
+            prefix=prefix,
+            trainer={"steps_per_epoch": 50},
+            environment_variables={"CLUSTERFIT_FAULT": "oom:rank=1:step=2"},
+        )
+        assert _ended(job_id) == "FAILED"
+    status = _status(job_id)
+    assert "cause: killed by the OOM killer (OOM)" in status, status
+    assert "rank 1 killed by the kernel's OOM killer" in status and "lower trainer.batch_size" in status
+
+
+@pytest.mark.skipif(bool(small_shm_missing()), reason=str(small_shm_missing()))
+def test_a_dataloader_out_of_shared_memory_is_named(tmp_path: Path, tiny_imagefolder: Path) -> None:
+    # A batch of 8 images of 64 px is 384 KiB: more than the whole /dev/shm the job gets.
+    job_id, _ = _submit(
+        tmp_path,
+        prefix=small_shm(256 << 10),
+        trainer={
+            "data": {
+                "train": str(tiny_imagefolder / "train"),
+                "image_size": 64,
+                "loader_workers": 1,
+                "num_classes": None,
+            },
+            "batch_size": 8,
+        },
+    )
+    assert _ended(job_id) == "FAILED"
+    status = _status(job_id)
+    assert "cause: out of shared memory (SHM)" in status, status
+    assert "out of shared memory (/dev/shm)" in status
 
 
 def test_a_failed_attempt_is_retried_from_its_last_checkpoint(tmp_path: Path) -> None:

@@ -128,6 +128,37 @@ def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> 
         pytest.param(
             Evidence(
                 exit_code=1,
+                exceptions=(_exception(0, 1, "OSError: [Errno 28] No space left on device"),),
+                log_tails={
+                    0: (
+                        '  File "/usr/lib/python3.11/multiprocessing/synchronize.py", line 57, in __init__',
+                        "    sl = self._semlock = _multiprocessing.SemLock(",
+                        "OSError: [Errno 28] No space left on device",
+                    )
+                },
+            ),
+            FailureCause.SHM,
+            "rank 0: out of shared memory (/dev/shm)",
+            id="shared-memory-semaphores",
+        ),
+        pytest.param(
+            Evidence(
+                exit_code=1,
+                exceptions=(_exception(0, 1, "OSError: [Errno 28] No space left on device"),),
+                log_tails={
+                    0: (
+                        '  File "/usr/lib/python3.11/shutil.py", line 200, in _copyfileobj',
+                        "OSError: [Errno 28] No space left on device",
+                    )
+                },
+            ),
+            FailureCause.EXCEPTION,
+            "rank 0: OSError: [Errno 28] No space left on device",
+            id="a-full-disk-is-not-shared-memory",
+        ),
+        pytest.param(
+            Evidence(
+                exit_code=1,
                 exceptions=(_exception(1, 1, "DistBackendError: timeout"),),
                 log_tails={
                     1: (

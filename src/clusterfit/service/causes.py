@@ -19,7 +19,9 @@ _RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
 # "rank: 1 (local_rank: 1), exitcode: -9 (pid: 123)" depending on the version.
 _AGENT_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
 _AGENT_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
-_TAIL_LINES = 40
+# Enough to reach past the tracebacks that follow a first error (a DataLoader worker's error is followed by the
+# rank's own traceback and its peers' "connection closed"); tail_lines reads at most 64 KiB anyway.
+_TAIL_LINES = 1000
 _TRACEBACK_LINES = 6
 
 _SHM = re.compile(
@@ -27,6 +29,10 @@ _SHM = re.compile(
     r"DataLoader worker \(pid \d+\) is killed by signal: Bus error)",
     re.IGNORECASE,
 )
+# multiprocessing keeps its semaphores in /dev/shm, so a full /dev/shm can also surface as ENOSPC from SemLock
+# (a full disk raises ENOSPC too, but never through SemLock).
+_SEMAPHORE = re.compile(r"_multiprocessing\.SemLock|multiprocessing/synchronize\.py")
+_NO_SPACE = re.compile(r"No space left on device")
 _COLLECTIVE_TIMEOUT = re.compile(
     r"(Watchdog caught collective operation timeout|NCCL.*timeout|Timed out waiting .*for.*(recv|send|collective)|"
     r"\[Gloo\].*[Tt]imed out|gloo.*Timed out|DistBackendError.*[Tt]imed? ?out)",
@@ -68,7 +74,7 @@ class Failure:
 def classify(evidence: Evidence) -> Failure:
     """The most specific cause the evidence supports; the first failing rank is the root cause."""
     for rank, lines in sorted(evidence.log_tails.items()):
-        if any(_SHM.search(line) for line in lines):
+        if _out_of_shared_memory(lines):
             hint = "raise the container's /dev/shm (e.g. docker --shm-size=8g) or set trainer.data.loader_workers: 0"
             return Failure(FailureCause.SHM, f"rank {rank}: out of shared memory (/dev/shm); {hint}")
     for rank, lines in sorted(evidence.log_tails.items()):
@@ -97,6 +103,12 @@ def classify(evidence: Evidence) -> Failure:
     if evidence.exit_code is not None and evidence.exit_code < 0:
         return Failure(FailureCause.SIGNAL, f"the job's agent was killed by {_signal_name(-evidence.exit_code)}")
     return Failure(FailureCause.EXIT_CODE, f"the job exited with code {evidence.exit_code}")
+
+
+def _out_of_shared_memory(lines: tuple[str, ...]) -> bool:
+    if any(_SHM.search(line) for line in lines):
+        return True
+    return any(_SEMAPHORE.search(line) for line in lines) and any(_NO_SPACE.search(line) for line in lines)
 
 
 def _killed(rank: int, code: int, oom_kills: int) -> Failure:

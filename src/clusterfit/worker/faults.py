@@ -2,7 +2,8 @@
 
 `CLUSTERFIT_FAULT=KIND:rank=R:step=S[:attempt=A]` in a worker's environment (through the spec's
 `environment_variables`) makes rank R, after training step S (of attempt A only, when given), do KIND:
-`raise` an exception, `hang` forever (sleeping, as a deadlocked rank would), or `exit` with code 3."""
+`raise` an exception, `hang` forever (sleeping, as a deadlocked rank would), `exit` with code 3, or `oom`: take
+memory until the kernel's OOM killer stops the process (run it under a memory limit, e.g. a container's)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from dataclasses import dataclass
 from clusterfit.worker.heartbeat import ATTEMPT_ENV
 
 FAULT_ENV = "CLUSTERFIT_FAULT"
-_KINDS = ("raise", "hang", "exit")
+_KINDS = ("raise", "hang", "exit", "oom")
+_OOM_CHUNK_BYTES = 64 << 20
 
 
 class InjectedFault(RuntimeError):
@@ -45,6 +47,10 @@ class Fault:
             raise InjectedFault(f"injected failure on rank {rank} after step {step}")
         if self.kind == "exit":
             os._exit(3)
+        if self.kind == "oom":
+            held = []
+            while True:  # filled bytes, so every page is really resident (zeroed allocations may not be)
+                held.append(b"\x01" * _OOM_CHUNK_BYTES)
         while True:  # hang
             time.sleep(3600)
 
