@@ -40,12 +40,16 @@ def test_staging_benchmark_script_against_azurite() -> None:
 
 
 def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) -> None:
+    # One core per rank: the cell of 1 rank runs on 1 of the machine's cores, so every system gets 1 thread.
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "1", "--image-size", "32", "--batch", "2",
-        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--no-ray", "--out", str(tmp_path),
+        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--no-ray", "--cores-per-rank", "1",
+        "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())
+    assert report["config"]["cores_per_rank"] == 1
+    assert all(cell["threads_per_rank"] == 1 for cell in report["cells"])
     assert set(report) == {"config", "machine", "precision", "cells", "ratios"}
     assert {"cpu", "cores", "torch"} <= set(report["machine"]) and report["precision"] == "fp32"
     cells = {(c["system"], c["workers"]): c for c in report["cells"]}
@@ -102,6 +106,10 @@ def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
         (["--workers", "0,2"], "error: --workers 0,2: worker counts must be 1 or more"),
         (["--workers", "one"], "error: --workers one: expected a comma-separated list of int"),
         (["--steps", "5", "--warmup", "5"], "error: --steps 5: must exceed --warmup 5 to leave steps to measure"),
+        (
+            ["--workers", "1,64", "--cores-per-rank", "1"],
+            "error: --cores-per-rank 1: 64 worker(s) x 1 core(s) must fit",
+        ),
     ],
 )
 def test_bench_train_refuses_bad_flags_in_one_line(tmp_path, flags: list[str], message: str) -> None:

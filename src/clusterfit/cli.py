@@ -595,6 +595,10 @@ def bench_train(
     warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
     precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for every system.")] = "auto",
     ray: Annotated[bool, typer.Option(help="Also run the loop under Ray Train's TorchTrainer (the ray extra).")] = True,
+    cores_per_rank: Annotated[
+        Optional[int],  # noqa: UP045 - typer needs Optional here
+        typer.Option(help="Run a cell of n ranks on n x this many cores (CPU affinity); default: all cores shared."),
+    ] = None,
     out: Annotated[Path, typer.Option(help="Folder for train.json and train.png.")] = Path("benchmarks/results"),
 ) -> None:
     """Training images/s of clusterfit vs a hand-written torchrun + DDP loop and the same loop under Ray Train,
@@ -612,6 +616,7 @@ def bench_train(
             warmup=warmup,
             precision=precision,
             ray=ray,
+            cores_per_rank=cores_per_rank,
         )
         report = run_train_bench(config, out)
     except SpecError as exc:

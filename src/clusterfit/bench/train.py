@@ -1,7 +1,8 @@
 """`clusterfit bench train`: training images/s of clusterfit vs a hand-written torchrun + DDP loop.
 
 For each model x worker count, in the same run and on the same model, per-rank batch, image size, precision,
-channels_last and threads per rank (cores / ranks):
+channels_last and threads per rank (cores / ranks; with `cores_per_rank`, a cell of n ranks gets n x that
+many cores):
 
 - clusterfit: `clusterfit run` of a synthetic-data job with `log_every_steps: 1`; per-step images/s from its
   metrics.jsonl;
@@ -29,6 +30,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,6 +65,9 @@ class TrainBenchConfig:
     precision: str = "auto"
     channels_last: bool = True
     ray: bool = True  # Ray Train's TorchTrainer as a second baseline (needs the ray extra)
+    # None: every cell shares all cores (threads per rank = cores / ranks). K: a cell of n ranks runs on n x K
+    # cores (CPU affinity), as if each rank brought its own cores: the weak scaling of more machines or GPUs.
+    cores_per_rank: int | None = None
 
     @property
     def systems(self) -> tuple[str, ...]:
@@ -81,6 +87,18 @@ class TrainBenchConfig:
             raise SpecError(f"--steps {self.steps}: must exceed --warmup {self.warmup} to leave steps to measure")
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise SpecError(f"--precision {self.precision}: choose auto, fp32, bf16 or fp16")
+        if self.cores_per_rank is not None:
+            cores = len(os.sched_getaffinity(0))
+            if self.cores_per_rank < 1 or max(self.workers) * self.cores_per_rank > cores:
+                raise SpecError(
+                    f"--cores-per-rank {self.cores_per_rank}: {max(self.workers)} worker(s) x "
+                    f"{self.cores_per_rank} core(s) must fit the {cores} core(s) this process may use"
+                )
+
+    def cores_for(self, workers: int) -> set[int]:
+        """The cores a cell of `workers` ranks runs on."""
+        available = sorted(os.sched_getaffinity(0))
+        return set(available if self.cores_per_rank is None else available[: workers * self.cores_per_rank])
 
 
 def parse_list(flag: str, text: str, kind: type = str) -> tuple:
@@ -155,7 +173,8 @@ class TrainBenchReport:
         lines = [
             f"machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}; {m['device']}",
             f"{c.image_size}x{c.image_size} synthetic images, batch {c.batch} per rank, {self.precision}, "
-            f"channels_last {c.channels_last}; median images/s over steps {c.warmup + 1}-{c.steps}",
+            f"channels_last {c.channels_last}; median images/s over steps {c.warmup + 1}-{c.steps}; "
+            + (f"a cell of n ranks on n x {c.cores_per_rank} core(s)" if c.cores_per_rank else "all cores shared"),
             "",
             "| model | workers | threads/rank | "
             + " | ".join(f"{system} images/s" for system in c.systems)
@@ -290,11 +309,15 @@ def run_baseline(
         *([] if config.channels_last else ["--no-channels-last"]),
         *([] if communicate else ["--no-comm"]),
     ]
-    env = {"OMP_NUM_THREADS": str(threads_per_worker(workers)), "PYTHONUNBUFFERED": "1"}
+    threads = threads_per_worker(workers)  # of the cell's cores
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
     what = RAY_TRAIN if ray else "hand-written DDP loop" if communicate else "hand-written loop without communication"
     stdout = _run(f"{what} ({model}, {workers} worker(s))", command, env)
-    steps = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"kind": "step"')]
-    return [config.batch * workers / s["seconds"] for s in steps]
+    records = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"kind": ')]
+    started = next((r for r in records if r["kind"] == "start"), {})
+    if started.get("threads") != threads:
+        raise SpecError(f"{what} ran with {started.get('threads')} threads per rank, not the cell's {threads}")
+    return [config.batch * workers / r["seconds"] for r in records if r["kind"] == "step"]
 
 
 def _median_seconds(images_per_s: list[float], config: TrainBenchConfig, workers: int) -> float:
@@ -319,31 +342,46 @@ def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport
     with tempfile.TemporaryDirectory(prefix="clusterfit-bench-train-") as tmp:
         for model in config.models:
             for workers in config.workers:
-                threads = threads_per_worker(workers)
-                compute_only = run_baseline(config, model, workers, precision, communicate=False)
-                compute_s = _median_seconds(compute_only, config, workers)
-                for system in config.systems:
-                    data_wait = [0.0] * config.steps  # the baselines reuse one batch on the device
-                    if system == CLUSTERFIT:
-                        steps, data_wait = run_clusterfit(config, model, workers, precision, Path(tmp))
-                    else:
-                        steps = run_baseline(config, model, workers, precision, ray=system == RAY_TRAIN)
-                    if len(steps) != config.steps or len(compute_only) != config.steps:
-                        raise SpecError(
-                            f"{system} ({model}, {workers}): {len(steps)} step timings, expected {config.steps}"
-                        )
-                    median = median_after_warmup(steps, config.warmup)
-                    split = StepSplit.of(
-                        _median_seconds(steps, config, workers),
-                        compute_s,
-                        median_after_warmup(data_wait, config.warmup),
-                    )
-                    report.cells.append(Cell(system, model, workers, threads, steps, median, split=split))
+                with _on_cores(config.cores_for(workers)):  # every system's processes inherit the affinity
+                    report.cells += _measure_cell(config, model, workers, precision, Path(tmp))
     report.fill_scaling()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / RESULTS_JSON).write_text(json.dumps(report.to_json(), indent=2) + "\n")
     plot(report, out_dir / RESULTS_PNG)
     return report
+
+
+@contextmanager
+def _on_cores(cores: set[int]) -> Iterator[None]:
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _measure_cell(config: TrainBenchConfig, model: str, workers: int, precision: str, tmp: Path) -> list[Cell]:
+    """Every system on one model x worker count, with the step split against the loop without communication."""
+    threads = threads_per_worker(workers)
+    compute_only = run_baseline(config, model, workers, precision, communicate=False)
+    compute_s = _median_seconds(compute_only, config, workers)
+    cells = []
+    for system in config.systems:
+        data_wait = [0.0] * config.steps  # the baselines reuse one batch on the device
+        if system == CLUSTERFIT:
+            steps, data_wait = run_clusterfit(config, model, workers, precision, tmp)
+        else:
+            steps = run_baseline(config, model, workers, precision, ray=system == RAY_TRAIN)
+        if len(steps) != config.steps or len(compute_only) != config.steps:
+            raise SpecError(f"{system} ({model}, {workers}): {len(steps)} step timings, expected {config.steps}")
+        split = StepSplit.of(
+            _median_seconds(steps, config, workers), compute_s, median_after_warmup(data_wait, config.warmup)
+        )
+        cells.append(
+            Cell(system, model, workers, threads, steps, median_after_warmup(steps, config.warmup), split=split)
+        )
+    return cells
 
 
 def plot(report: TrainBenchReport, path: Path) -> None:
