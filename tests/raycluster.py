@@ -1,5 +1,6 @@
 """A real two-node Ray cluster on 127.0.0.1 for tests: a head and a second node, each its own `ray start
---block` process group with free ports, a temp folder, one CPU, token authentication on; stopped after."""
+--block` process group with free ports, a temp folder, one CPU and one logical GPU, token authentication on;
+stopped after."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ class RayCluster:
     def start(self) -> None:
         common = [
             "--num-cpus=1",
+            # A logical GPU per node (Ray's resource accounting; no device): GPU bundles are placed for real, and
+            # Ray sets CUDA_VISIBLE_DEVICES for the actor as it would on a GPU node.
+            "--num-gpus=1",
             f"--memory={_MEMORY}",
             f"--object-store-memory={_OBJECT_STORE}",
             "--disable-usage-stats",

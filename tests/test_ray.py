@@ -72,6 +72,14 @@ def test_dry_run_renders_the_placement_group_and_node_command(tmp_path: Path) ->
     assert not out.exists(), "a dry run writes nothing"
 
 
+def test_gpus_per_node_are_reserved_in_each_bundle(tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "out")
+    job["resources"] = {"instance_count": 2, "backend": "ray", "gpus_per_instance": 2}
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "# placement group tiny-<id>: 2 bundle(s) of {CPU: 2, GPU: 2}, strategy STRICT_SPREAD" in result.stdout
+
+
 def test_threads_that_are_not_a_count_are_one_line_errors(tmp_path: Path) -> None:
     job = tiny_job(tmp_path / "out")
     job["environment_variables"] = {"OMP_NUM_THREADS": "many"}
@@ -275,3 +283,23 @@ def test_a_command_job_gets_its_environment_on_two_ray_nodes(
         assert f"[rank{rank}] env ok: {kind} rank {rank}/2 in code" in result.stdout, result.stdout[-3000:]
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
     assert not _job_processes(out)
+
+
+def test_a_gpu_job_gets_a_gpu_bundle_on_each_ray_node(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """Each test node declares one GPU: the job's bundles reserve it, and every rank sees the device Ray gave its
+    node's actor."""
+    out = tmp_path / "out"
+    show = "import os; print('visible GPUs:', os.environ.get('CUDA_VISIBLE_DEVICES'))"
+    job = command_job(out, user_code(tmp_path), f'python -c "{show}"', processes=1)
+    job["resources"]["gpus_per_instance"] = 1
+    result = subprocess.run(
+        cli_command("run", str(write_job(tmp_path / "job.yaml", job)), *ON_RAY),
+        env=ray_cluster.client_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in range(2):
+        assert f"[rank{rank}] visible GPUs: 0" in result.stdout, result.stdout[-3000:]
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}

@@ -222,6 +222,45 @@ Root Cause (first observed failure):
 """
 
 
+# What a second node's agent prints after the first node's rank was killed: its own rank failed "because of"
+# that, later; it names itself as its root cause.
+PEER_SUMMARY = """\
+============================================================
+clusterfit.worker FAILED
+------------------------------------------------------------
+Failures:
+  <NO_OTHER_FAILURES>
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_02:44:51
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 7757)
+  error_file: /x/logs/rank-0.error.json
+  traceback : Traceback (most recent call last):
+  RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:12203: Connection reset by peer.
+============================================================
+"""
+
+
+def test_with_several_agents_the_first_summary_written_names_the_root_cause(tmp_path: Path) -> None:
+    (tmp_path / "agent.log").write_text(AGENT_SUMMARY + PEER_SUMMARY)
+    evidence = gather_evidence(tmp_path, exit_code=1)
+    assert evidence.root_rank == 1 and evidence.rank_exits == {0: 1, 1: -9}
+    assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
+
+
+def test_an_earlier_attempts_summary_is_not_evidence(tmp_path: Path) -> None:
+    earlier = AGENT_SUMMARY.replace("exitcode  : -9 (pid: 22250)  (SIGKILL)", "exitcode  : -15 (pid: 22250)")
+    (tmp_path / "agent.log").write_text(earlier)
+    start = (tmp_path / "agent.log").stat().st_size
+    with open(tmp_path / "agent.log", "a") as log:
+        log.write(PEER_SUMMARY)
+    evidence = gather_evidence(tmp_path, exit_code=1, agent_log_start=start)
+    assert evidence.root_rank == 0 and evidence.rank_exits == {0: 1}
+
+
 def test_torchruns_failure_summary_is_read_with_its_root_cause(tmp_path: Path) -> None:
     (tmp_path / "agent.log").write_text(AGENT_SUMMARY)
     evidence = gather_evidence(tmp_path, exit_code=1)

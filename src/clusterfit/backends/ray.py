@@ -90,7 +90,15 @@ def threads_per_process(spec: JobSpec) -> int:
 
 
 def bundle(spec: JobSpec) -> dict[str, float]:
-    return {"CPU": float(spec.distribution.process_count_per_instance * threads_per_process(spec))}
+    """What each node's bundle reserves; with GPUs, Ray also gives the node's actor (and so torchrun and its
+    workers) those devices in CUDA_VISIBLE_DEVICES."""
+    cpus = {"CPU": float(spec.distribution.process_count_per_instance * threads_per_process(spec))}
+    gpus = spec.resources.gpus_per_instance
+    return {**cpus, "GPU": float(gpus)} if gpus else cpus
+
+
+def _shown(resources: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in resources.items()) + "}"
 
 
 def node_env(spec: JobSpec) -> dict[str, str]:
@@ -114,11 +122,10 @@ class RayBackend:
 
     def dry_run(self, spec: JobSpec) -> Rendered:
         nodes = spec.resources.instance_count
-        cpus = bundle(spec)["CPU"]
         placement = "\n".join(
             [
                 f"# Ray cluster: {cluster_address(spec)}; namespace {NAMESPACE}",
-                f"# placement group {spec.name}-<id>: {nodes} bundle(s) of {{CPU: {cpus:g}}}, strategy "
+                f"# placement group {spec.name}-<id>: {nodes} bundle(s) of {_shown(bundle(spec))}, strategy "
                 f"{PLACEMENT_STRATEGY} (one node each)",
                 "# one detached actor per bundle runs this command with its node's python, in a new process group;",
                 "# node 0 hosts the c10d rendezvous on a free port it picks, other nodes pass --rdzv-conf=is_host=0",
@@ -152,7 +159,7 @@ class RayBackend:
             alive = sum(1 for node in ray.nodes() if node.get("Alive"))
             raise RuntimeError(
                 f"resources.instance_count = {nodes}: the Ray cluster at {cluster_address(spec)} did not offer "
-                f"{nodes} separate nodes with {{CPU: {bundle(spec)['CPU']:g}}} free within "
+                f"{nodes} separate nodes with {_shown(bundle(spec))} free within "
                 f"{_PLACEMENT_TIMEOUT_S:.0f} s ({alive} node(s) alive); lower instance_count or "
                 "process_count_per_instance, or add nodes"
             )
@@ -164,6 +171,7 @@ class RayBackend:
                 lifetime="detached",
                 max_restarts=0,
                 num_cpus=bundle(spec)["CPU"],
+                num_gpus=bundle(spec).get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=node),
             ).remote()
             for node in range(nodes)

@@ -134,8 +134,11 @@ def _last(evidence: Evidence, rank: int) -> str:
     return "\n".join(lines[-_TRACEBACK_LINES:])
 
 
-def gather_evidence(log_dir: Path, exit_code: int | None, oom_kills: int = 0) -> Evidence:
-    exits, root_rank = _agent_rank_exits(log_dir / AGENT_LOG)
+def gather_evidence(log_dir: Path, exit_code: int | None, oom_kills: int = 0, agent_log_start: int = 0) -> Evidence:
+    """`agent_log_start`: the agent log's size when the attempt began; the log is shared by every attempt and,
+    on several nodes, by every node's agent."""
+    agent_lines = _lines_since(log_dir / AGENT_LOG, agent_log_start)
+    exits, root_rank = _agent_rank_exits(agent_lines)
     return Evidence(
         exit_code=exit_code,
         exceptions=tuple(_exceptions(log_dir)),
@@ -146,7 +149,7 @@ def gather_evidence(log_dir: Path, exit_code: int | None, oom_kills: int = 0) ->
             for path in (log_dir.iterdir() if log_dir.is_dir() else [])
             if (match := _RANK_LOG.match(path.name))
         },
-        agent_tail=tuple(tail_lines(log_dir / AGENT_LOG, _TAIL_LINES)),
+        agent_tail=tuple(agent_lines[-_TAIL_LINES:]),
         oom_kills=oom_kills,
     )
 
@@ -185,16 +188,30 @@ def _exceptions(log_dir: Path) -> list[RankException]:
     return sorted(found, key=lambda e: (e.timestamp, e.rank))
 
 
-def _agent_rank_exits(agent_log: Path) -> tuple[dict[int, int], int | None]:
-    """rank -> exit code from the failure summary torchrun prints when workers fail, and the rank it names
-    as the root cause (the first failure it observed)."""
+def _lines_since(path: Path, start: int, max_bytes: int = 1 << 20) -> list[str]:
+    """The lines written from byte `start` on; at most the last `max_bytes` of them."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(start if start <= size else 0, size - max_bytes))
+            return f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+
+
+def _agent_rank_exits(agent_lines: list[str]) -> tuple[dict[int, int], int | None]:
+    """rank -> exit code from the failure summaries torchrun prints when workers fail, and the rank named as
+    the root cause (the first failure observed) in the first summary written: with several nodes each agent
+    prints its own, and a later one is a peer failing because of the first (e.g. "connection reset")."""
     exits: dict[int, int] = {}
     rank: int | None = None
     root_rank: int | None = None
     in_root_section = False
-    for line in tail_lines(agent_log, 400):
+    for line in agent_lines:
         if "Root Cause" in line:
-            in_root_section, root_rank = True, None
+            in_root_section = root_rank is None
+        elif line.startswith("====="):
+            in_root_section = False
         rank_match = _AGENT_RANK.search(line)
         if rank_match:
             rank = int(rank_match.group(1))

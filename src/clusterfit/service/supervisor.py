@@ -19,7 +19,7 @@ from pathlib import Path
 from clusterfit.backends import RunHandle, get_backend
 from clusterfit.backends.local import process_start_time
 from clusterfit.launch import preflight
-from clusterfit.monitoring.logtail import LOG_DIR
+from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
 from clusterfit.monitoring.progress import MetricsTail
 from clusterfit.monitoring.sinks import METRICS_FILE
 from clusterfit.service.causes import Failure, classify, gather_evidence, oom_kill_count
@@ -89,6 +89,8 @@ class Supervisor:
         clear_heartbeats(outputs)
         backend = get_backend(spec.resources.backend)
         ooms_before = oom_kill_count()
+        agent_log = outputs / LOG_DIR / AGENT_LOG
+        agent_log_start = agent_log.stat().st_size if agent_log.exists() else 0
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
             handle = backend.submit(spec)
@@ -110,7 +112,7 @@ class Supervisor:
             return outcome, Failure(FailureCause.HANG, detail)
         if code == 0:
             return Outcome.SUCCEEDED, None
-        evidence = gather_evidence(outputs / LOG_DIR, code, oom_kill_count() - ooms_before)
+        evidence = gather_evidence(outputs / LOG_DIR, code, oom_kill_count() - ooms_before, agent_log_start)
         return Outcome.FAILED, classify(evidence)
 
     def _watch(self, job_id: str, spec: JobSpec, attempt: int, handle: RunHandle) -> tuple[Outcome, str]:
