@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -248,6 +249,16 @@ def test_with_several_agents_the_first_summary_written_names_the_root_cause(tmp_
     (tmp_path / "agent.log").write_text(AGENT_SUMMARY + PEER_SUMMARY)
     evidence = gather_evidence(tmp_path, exit_code=1)
     assert evidence.root_rank == 1 and evidence.rank_exits == {0: 1, 1: -9}
+    assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
+
+
+def test_a_killed_rank_beats_a_peers_connection_reset_even_when_reported_second(tmp_path: Path) -> None:
+    (tmp_path / "agent.log").write_text(PEER_SUMMARY + AGENT_SUMMARY)
+    (tmp_path / "rank-0.error.json").write_text(
+        json.dumps({"message": {"message": "RuntimeError: Read error: Connection reset by peer.", "extraInfo": {}}})
+    )
+    evidence = gather_evidence(tmp_path, exit_code=1)
+    assert evidence.root_rank == 0 and len(evidence.exceptions) == 1
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
 
 

@@ -37,6 +37,7 @@ _COLLECTIVE_TIMEOUT = re.compile(
     r"(Watchdog caught collective operation timeout|NCCL.*timeout|Timed out waiting .*for.*(recv|send|collective)|"
     r"\[Gloo\].*[Tt]imed out|gloo.*Timed out|DistBackendError.*[Tt]imed? ?out)",
 )
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe")
 _RENDEZVOUS_LOST = re.compile(r"(RendezvousClosedError|RendezvousTimeoutError|RendezvousConnectionError|node .* lost)")
 
 
@@ -88,12 +89,13 @@ def classify(evidence: Evidence) -> Failure:
     root_code = evidence.rank_exits.get(evidence.root_rank) if evidence.root_rank is not None else None
     if root_code is not None and root_code < 0:  # the others' errors ("connection reset") only follow from it
         return _killed(evidence.root_rank, root_code, evidence.oom_kills)  # type: ignore[arg-type]
+    signalled = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code < 0}
+    if signalled and all(_PEER_LOST.search(e.message) for e in evidence.exceptions):
+        # Only a lost peer was raised: the killed rank is the cause, whichever agent reported first.
+        return _killed(*next(iter(signalled.items())), evidence.oom_kills)
     if evidence.exceptions:
         first = next((e for e in evidence.exceptions if e.rank == evidence.root_rank), evidence.exceptions[0])
         return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
-    signalled = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code < 0}
-    if signalled:
-        return _killed(*next(iter(signalled.items())), evidence.oom_kills)
     if any(_RENDEZVOUS_LOST.search(line) for line in evidence.agent_tail):
         return Failure(FailureCause.NODE_LOST, "a node left the rendezvous (its agent or machine is gone)")
     failed = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code != 0}
