@@ -99,6 +99,24 @@ def test_cancel_mid_run_leaves_no_process(tmp_path: Path) -> None:
     assert "CANCELLED" in status and "cause: cancelled by user (CANCELLED)" in status
 
 
+def test_a_second_job_on_the_same_outputs_is_refused_and_the_first_keeps_running(tmp_path: Path) -> None:
+    first, out = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
+    wait_for(lambda: _state(first) == "RUNNING", 180, "RUNNING")
+    log_before = (out / "logs" / "rank-0.log").read_text()
+    second = run_cli("run", str(tmp_path / "tiny.yaml"))  # the same spec, so the same outputs.dir
+    assert second.returncode == 1, second.stdout + second.stderr
+    assert f"error: outputs.dir {out} is in use by job {first} (pid " in second.stderr, second.stderr
+    assert "Traceback" not in second.stderr and "every rank's log" not in second.stderr  # no rank of it ran
+    assert _state(first) == "RUNNING"
+    assert (out / "logs" / "rank-0.log").read_text().startswith(log_before), "the second run touched the first's log"
+    assert run_cli("cancel", first).returncode == 0
+    assert _ended(first) == "CANCELLED"
+    # The lock went with the first job's supervisor: the folder is free again.
+    third, _ = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
+    wait_for(lambda: _state(third) == "RUNNING", 180, "RUNNING after the first job ended")
+    assert run_cli("cancel", third).returncode == 0
+
+
 def test_a_rank_that_raises_fails_the_job_with_its_traceback(tmp_path: Path) -> None:
     job_id, _ = _submit(tmp_path, environment_variables={"CLUSTERFIT_FAULT": "raise:rank=1:step=2"})
     assert _ended(job_id) == "FAILED"

@@ -102,7 +102,7 @@ def run(
     from clusterfit.monitoring.progress import LiveView
     from clusterfit.service.records import record_job
     from clusterfit.service.scheduler import schedule
-    from clusterfit.service.states import JobState
+    from clusterfit.service.states import FailureCause, JobState
     from clusterfit.service.supervisor import Supervisor
 
     store = _store()
@@ -125,7 +125,7 @@ def run(
             [
                 f"job {spec.name} ({job.id}) failed: {final.failure_cause.words if final.failure_cause else 'unknown'}",
                 *(final.cause_detail or "").splitlines(),
-                f"every rank's log is in {out / 'logs'}",
+                *([] if final.failure_cause is FailureCause.BAD_SPEC else [f"every rank's log is in {out / 'logs'}"]),
             ]
         ),
         1,

@@ -23,6 +23,7 @@ from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
 from clusterfit.monitoring.progress import MetricsTail
 from clusterfit.monitoring.sinks import METRICS_FILE
 from clusterfit.service.causes import Failure, classify, gather_evidence, oom_kill_count
+from clusterfit.service.outputs_claim import OutputsClaim, claim_outputs
 from clusterfit.service.records import RankBeat, clear_heartbeats, forget_secrets, read_heartbeats, spec_of
 from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
 from clusterfit.service.store import Job, JobStore, dump_json
@@ -57,6 +58,7 @@ class Supervisor:
     ) -> None:
         self.store, self.job_id = store, job_id
         self.poll_s, self.on_tick, self.log = poll_s, on_tick, log
+        self._outputs_claim: OutputsClaim | None = None
 
     def run(self) -> Job:
         """Run attempts until the job ends; returns its final record."""
@@ -74,12 +76,17 @@ class Supervisor:
                     return job
                 job = self.store.transition(job.id, JobState.STAGING, f"attempt {attempt + 1}")
         finally:
+            if self._outputs_claim is not None:
+                self._outputs_claim.release()
             if self.store.get(self.job_id).job_state.is_terminal:
                 forget_secrets(self.job_id)
 
     def _attempt(self, job: Job, attempt: int) -> tuple[Outcome, Failure | None]:
         try:
             spec = spec_of(job)
+            # On Kubernetes the outputs are on the cluster's volume, not here.
+            if self._outputs_claim is None and spec.resources.backend != "kubernetes":
+                self._outputs_claim = claim_outputs(Path(spec.outputs.dir), job.id)
             preflight(spec)  # again: data can vanish while a job waits in the queue
         except SpecError as exc:
             return Outcome.FAILED, Failure(FailureCause.BAD_SPEC, str(exc))

@@ -1,0 +1,57 @@
+"""One job at a time per outputs folder: two runs writing the same checkpoints, logs and model would destroy
+each other's work, so a job's supervisor holds an exclusive lock on `<outputs.dir>/.clusterfit-lock` for the
+job's whole life (every attempt). The kernel drops the lock when the holder dies, so it never goes stale."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+from pathlib import Path
+from typing import IO
+
+from clusterfit.spec.errors import SpecError
+
+LOCK_FILE = ".clusterfit-lock"
+
+
+class OutputsInUse(SpecError):  # noqa: N818 - reads as the condition it reports
+    pass
+
+
+class OutputsClaim:
+    def __init__(self, handle: IO[str]) -> None:
+        self._handle = handle
+
+    def release(self) -> None:
+        self._handle.close()  # closing the descriptor drops the lock
+
+
+def claim_outputs(outputs_dir: Path, job_id: str) -> OutputsClaim:
+    """The outputs folder for `job_id` alone, or OutputsInUse naming the job that holds it."""
+    outputs_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(outputs_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the job's life
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = _holder(handle.read())
+        handle.close()
+        raise OutputsInUse(
+            f"outputs.dir {outputs_dir} is in use by {holder}; wait for it to end or cancel it, "
+            "or give this job another outputs.dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps({"job": job_id, "pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+    handle.flush()
+    return OutputsClaim(handle)
+
+
+def _holder(text: str) -> str:
+    try:
+        owner = json.loads(text)
+        return f"job {owner['job']} (pid {owner['pid']} on {owner['host']})"
+    except (ValueError, KeyError, TypeError):
+        return "another run"
