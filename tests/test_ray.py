@@ -264,6 +264,15 @@ def _closed_port() -> int:
         return sock.getsockname()[1]
 
 
+def _run_to_success(ray_cluster: RayCluster, job: Path) -> str:
+    """`clusterfit run JOB` on the test cluster, 2 nodes x 1 process; its output."""
+    result = subprocess.run(
+        cli_command("run", str(job), *ON_RAY), env=ray_cluster.client_env(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
 @pytest.mark.parametrize("kind", ["pytorch", "mpi", "tensorflow"])
 def test_a_command_job_gets_its_environment_on_two_ray_nodes(
     ray_cluster: RayCluster, tmp_path: Path, kind: str
@@ -271,16 +280,9 @@ def test_a_command_job_gets_its_environment_on_two_ray_nodes(
     """The user-script contract of each distribution.type holds across two Ray nodes (1 process each)."""
     out = tmp_path / "out"
     job = command_job(out, user_code(tmp_path), f"python env_contract.py {kind}", kind, processes=1)
-    result = subprocess.run(
-        cli_command("run", str(write_job(tmp_path / "job.yaml", job)), *ON_RAY),
-        env=ray_cluster.client_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _run_to_success(ray_cluster, write_job(tmp_path / "job.yaml", job))
     for rank in range(2):
-        assert f"[rank{rank}] env ok: {kind} rank {rank}/2 in code" in result.stdout, result.stdout[-3000:]
+        assert f"[rank{rank}] env ok: {kind} rank {rank}/2 in code" in stdout, stdout[-3000:]
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
     assert not _job_processes(out)
 
@@ -292,14 +294,7 @@ def test_a_gpu_job_gets_a_gpu_bundle_on_each_ray_node(ray_cluster: RayCluster, t
     show = "import os; print('visible GPUs:', os.environ.get('CUDA_VISIBLE_DEVICES'))"
     job = command_job(out, user_code(tmp_path), f'python -c "{show}"', processes=1)
     job["resources"]["gpus_per_instance"] = 1
-    result = subprocess.run(
-        cli_command("run", str(write_job(tmp_path / "job.yaml", job)), *ON_RAY),
-        env=ray_cluster.client_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    stdout = _run_to_success(ray_cluster, write_job(tmp_path / "job.yaml", job))
     for rank in range(2):
-        assert f"[rank{rank}] visible GPUs: 0" in result.stdout, result.stdout[-3000:]
+        assert f"[rank{rank}] visible GPUs: 0" in stdout, stdout[-3000:]
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
