@@ -81,13 +81,15 @@ def test_example_job_runs_to_completion_on_slurm(slurm: SlurmCluster, tmp_path: 
     assert "#SBATCH --nodes=1" in (out / "slurm" / "job.sbatch").read_text()
 
 
-def test_command_job_gets_its_environment_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("kind", ["pytorch", "mpi", "tensorflow"])
+def test_command_job_gets_its_environment_on_slurm(slurm: SlurmCluster, tmp_path: Path, kind: str) -> None:
+    """The user-script contract of each distribution.type holds under sbatch (1 node x 2 processes)."""
     out = tmp_path / "out"
-    job = command_job(out, user_code(tmp_path), "python env_contract.py tensorflow", "tensorflow")
+    job = command_job(out, user_code(tmp_path), f"python env_contract.py {kind}", kind)
     result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--backend", "slurm", cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in range(2):
-        assert f"env ok: tensorflow rank {rank}/2 in code" in rank_logs(out)
+        assert f"env ok: {kind} rank {rank}/2 in code" in rank_logs(out)
 
 
 def _long_job(out: Path) -> dict:
