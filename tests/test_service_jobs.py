@@ -137,6 +137,7 @@ def test_a_rank_that_sleeps_forever_is_a_hang_with_stacks_in_the_logs(tmp_path: 
     status = _status(job_id)
     assert "cause: hang: no progress (HANG)" in status
     assert "no training step on any rank for" in status and "rank-1.log" in status
+    assert "every rank last reported step 3" in status  # the hanging rank's last step, not an older one
     hung_log = (out / "logs" / "rank-1.log").read_text()
     assert "most recent call first" in hung_log and "faults.py" in hung_log and "in trigger" in hung_log
     assert "most recent call first" in (out / "logs" / "rank-0.log").read_text()  # the waiting rank too

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import faulthandler
 import math
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import wait_for
 
 from clusterfit.backends.rank_logs import rotate
 from clusterfit.backends.torchrun import threads_per_worker
 from clusterfit.data.imagefolder import ShardSampler
 from clusterfit.data.synthetic import SyntheticData
 from clusterfit.models import build_model
+from clusterfit.service.records import read_heartbeats
 from clusterfit.spec.model import OptimizerSpec
+from clusterfit.worker.heartbeat import TRAINING, Heartbeat
 from clusterfit.worker.optim import build_optimizer, lr_factor, scaled_lr
 from clusterfit.worker.precision import cpu_has_native_bf16, resolve_precision
 
@@ -116,3 +121,18 @@ def test_log_follower_labels_lines_and_follows_rotation(tmp_path: Path) -> None:
     (tmp_path / "agent.log").write_text("restarting workers")
     # The unterminated agent line only comes out with the final drain.
     assert follower.drain() == ["[rank0] half a line", "[rank0] attempt 2", "[torchrun] restarting workers"]
+
+
+def test_heartbeat_file_ends_at_the_last_step_when_steps_come_faster_than_writes(tmp_path: Path) -> None:
+    """A rank that hangs right after a few fast steps must be reported at its true last step, timed by it."""
+    heartbeat = Heartbeat(tmp_path, rank=0, hang_timeout=600, images_per_step=8, interval=0.3)
+    try:
+        for step in (1, 2, 3):
+            heartbeat.beat(TRAINING, step)
+        last_step_at = time.time()
+        assert read_heartbeats(tmp_path)[0].step == 1  # the first beat is written at once, the others wait
+        beat = wait_for(lambda: (beat := read_heartbeats(tmp_path)[0]).step == 3 and beat, 5, "the last step")
+        assert beat.time <= last_step_at  # the step's own time, not the later write's
+        assert beat.images_per_s is not None and beat.images_per_s > 0
+    finally:
+        faulthandler.cancel_dump_traceback_later()

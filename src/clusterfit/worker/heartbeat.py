@@ -1,10 +1,12 @@
 """Each rank's sign of life for the job service, and its own stack dump when it stops making progress.
 
-`outputs.dir/heartbeats/rank-N.json` is rewritten at most once a second (step, phase, time, images/s, pid,
-host): the service reads these files, so it works the same for every engine whose outputs folder it sees.
-Every write re-arms a faulthandler timer: if no write follows for `hang_timeout` seconds, the interpreter
-itself dumps the Python stack of every thread into the rank's log, even when the main thread is stuck in C
-code (a collective, a DataLoader queue) where no Python-level watchdog could run."""
+`outputs.dir/heartbeats/rank-N.json` is rewritten at most once a second (step, phase, the time of that step,
+images/s, pid, host): the service reads these files, so it works the same for every engine whose outputs folder
+it sees. A beat that comes too soon after the last write is written when the second is up, so the file always
+ends at the rank's true last step, also when the rank hangs right after it. Every write re-arms a faulthandler
+timer: if no step follows for `hang_timeout` seconds, the interpreter itself dumps the Python stack of every
+thread into the rank's log, even when the main thread is stuck in C code (a collective, a DataLoader queue)
+where no Python-level watchdog could run."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HEARTBEAT_DIR = "heartbeats"
@@ -25,6 +29,14 @@ def heartbeat_path(outputs_dir: Path, rank: int) -> Path:
     return outputs_dir / HEARTBEAT_DIR / f"rank-{rank}.json"
 
 
+@dataclass(frozen=True)
+class _Beat:
+    phase: str
+    step: int
+    monotonic: float
+    wall: float
+
+
 class Heartbeat:
     def __init__(self, outputs_dir: Path, rank: int, hang_timeout: float, images_per_step: int, interval: float = 1.0):
         self.path = heartbeat_path(outputs_dir, rank)
@@ -34,22 +46,40 @@ class Heartbeat:
         self.interval = interval
         self.host = socket.gethostname()
         self.attempt = int(os.environ.get(ATTEMPT_ENV, "1"))
-        self._written_at = 0.0
-        self._written_step: int | None = None
+        self._lock = threading.Lock()
+        self._written: _Beat | None = None
+        self._pending: _Beat | None = None
+        self._flush_timer: threading.Timer | None = None
 
     def beat(self, phase: str, step: int, *, force: bool = False) -> None:
-        """Cheap enough for every step: it only writes when a second has passed (or when forced)."""
-        now = time.monotonic()
-        if not force and now - self._written_at < self.interval:
-            return
-        elapsed = now - self._written_at
+        """Cheap enough for every step: it writes at most once a second (or at once when forced)."""
+        with self._lock:
+            self._pending = _Beat(phase, step, time.monotonic(), time.time())
+            wait = 0.0 if self._written is None else self.interval - (self._pending.monotonic - self._written.monotonic)
+            if force or wait <= 0:
+                self._write_pending()
+            elif self._flush_timer is None:
+                self._flush_timer = threading.Timer(wait, self._flush)
+                self._flush_timer.daemon = True
+                self._flush_timer.start()
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._flush_timer = None
+            if self._pending is not None:
+                self._write_pending()
+
+    def _write_pending(self) -> None:
+        beat, last = self._pending, self._written
+        assert beat is not None
+        self._pending = None
         rate = None
-        if self._written_step is not None and step > self._written_step and elapsed > 0:
-            rate = (step - self._written_step) * self.images_per_step / elapsed
+        if last is not None and beat.step > last.step and beat.monotonic > last.monotonic:
+            rate = (beat.step - last.step) * self.images_per_step / (beat.monotonic - last.monotonic)
         record = {
-            "phase": phase,
-            "step": step,
-            "time": time.time(),
+            "phase": beat.phase,
+            "step": beat.step,
+            "time": beat.wall,
             "images_per_s": rate,
             "pid": os.getpid(),
             "host": self.host,
@@ -58,9 +88,11 @@ class Heartbeat:
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)
-        self._written_at, self._written_step = now, step
-        if phase == TRAINING:  # staging a large dataset or a long validation is not a hang
+        self._written = beat
+        if beat.phase == TRAINING:  # staging a large dataset or a long validation is not a hang
+            # Counted from the step, not from this write, which may come up to a second later.
+            timeout = self.hang_timeout + self.interval - (time.monotonic() - beat.monotonic)
             # The dump goes to stderr, which the worker points at its rank log.
-            faulthandler.dump_traceback_later(self.hang_timeout + self.interval, repeat=False, file=sys.stderr)
+            faulthandler.dump_traceback_later(max(timeout, 0.001), repeat=False, file=sys.stderr)
         else:
             faulthandler.cancel_dump_traceback_later()
