@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -97,6 +98,10 @@ def test_cancel_mid_run_leaves_no_process(tmp_path: Path) -> None:
     assert not processes_mentioning(str(out))
     status = _status(job_id)
     assert "CANCELLED" in status and "cause: cancelled by user (CANCELLED)" in status
+    # One step in all of status: the progress line and the cancel note both name the last step the ranks wrote.
+    progress_step = re.search(r"progress: step (\d+)/", status)
+    cancel_step = re.search(r"cancelled by user: at step (\d+)", status)
+    assert progress_step and cancel_step and progress_step.group(1) == cancel_step.group(1), status
 
 
 def test_a_second_job_on_the_same_outputs_is_refused_and_the_first_keeps_running(tmp_path: Path) -> None:

@@ -149,16 +149,27 @@ class Supervisor:
             if self.store.get(job_id).cancel_requested_at is not None:
                 self.log(f"job {job_id}: cancel requested; stopping every process")
                 handle.cancel()
-                return Outcome.CANCELLED, f"at step {progress.get('step', 0)}"
+                step = self._record_last_progress(job_id, progress, metrics, outputs, attempt)
+                return Outcome.CANCELLED, f"at step {step}"
             hung = _hang(beats, spec.limits.hang_timeout, now) if running else None
             if hung:
                 time.sleep(_HANG_GRACE_S)
                 self.log(f"job {job_id}: {hung}; stopping every process")
                 handle.cancel()
+                self._record_last_progress(job_id, progress, metrics, outputs, attempt)
                 return Outcome.HUNG, hung
             time.sleep(self.poll_s)
 
-    def _record_progress(self, job_id: str, progress: dict[str, object], beats: dict[int, RankBeat]) -> None:
+    def _record_last_progress(
+        self, job_id: str, progress: dict[str, object], metrics: MetricsTail, outputs: Path, attempt: int
+    ) -> int:
+        """What the stopped ranks wrote last, so that status, the cancel note and the ranks' health agree."""
+        for record in metrics.read_new():
+            progress.update(_progress_fields(record))
+        return self._record_progress(job_id, progress, read_heartbeats(outputs, attempt))
+
+    def _record_progress(self, job_id: str, progress: dict[str, object], beats: dict[int, RankBeat]) -> int:
+        """Stores the job's progress; returns its step."""
         newest = max((beat.time for beat in beats.values()), default=None)
         fields = dict(progress)
         # Heartbeats arrive every second, metrics only every log_every_steps: the step is the newer of both.
@@ -168,6 +179,7 @@ class Supervisor:
         if newest is not None:
             fields["heartbeat_at"] = datetime.fromtimestamp(newest, timezone.utc)
         self.store.update(job_id, **fields)
+        return int(fields.get("step") or 0)  # type: ignore[call-overload]
 
     def _settle(self, job_id: str, attempt: int, outcome: Outcome, failure: Failure | None) -> Job:
         if outcome is Outcome.SUCCEEDED:
