@@ -125,7 +125,8 @@ def test_log_follower_labels_lines_and_follows_rotation(tmp_path: Path) -> None:
 
 def test_heartbeat_file_ends_at_the_last_step_when_steps_come_faster_than_writes(tmp_path: Path) -> None:
     """A rank that hangs right after a few fast steps must be reported at its true last step, timed by it."""
-    heartbeat = Heartbeat(tmp_path, rank=0, hang_timeout=600, images_per_step=8, interval=0.3)
+    # The real interval (1 s): the read below must come before the delayed write even on a busy machine.
+    heartbeat = Heartbeat(tmp_path, rank=0, hang_timeout=600, images_per_step=8)
     try:
         for step in (1, 2, 3):
             heartbeat.beat(TRAINING, step)
