@@ -278,3 +278,44 @@ def test_torchruns_failure_summary_is_read_with_its_root_cause(tmp_path: Path) -
     assert evidence.rank_exits == {0: 1, 1: -9}
     assert evidence.root_rank == 1
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
+
+
+# What the agent printed in CI after rank 1 was SIGKILLed: it stopped rank 0 itself, and since rank 0's "connection
+# reset" error file is older than the moment the agent noticed rank 1, torchrun named rank 0 the root cause.
+AGENT_STOPPED_THE_PEER = """\
+W1123 18:50:50.050000 2608 api.py:1028] Sending process 2617 closing signal SIGTERM
+E1123 18:50:50.166000 2608 api.py:1002] failed (exitcode: -15) local_rank: 0 (pid: 2617) of binary: python
+Failures:
+[0]:
+  time      : 2026-11-23_18:50:50
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 2618)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 2618
+------------------------------------------------------------
+Root Cause (first observed failure):
+[1]:
+  time      : 2026-11-23_18:50:49
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 2617)  (SIGTERM)
+  error_file: /x/logs/rank-0.error.json
+  traceback : RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error: Connection reset by peer.
+============================================================
+"""
+
+
+def test_a_rank_the_agent_stopped_itself_is_never_the_cause(tmp_path: Path) -> None:
+    (tmp_path / "agent.log").write_text(AGENT_STOPPED_THE_PEER)
+    (tmp_path / "rank-0.error.json").write_text(
+        json.dumps({"message": {"message": "RuntimeError: Read error: Connection reset by peer.", "extraInfo": {}}})
+    )
+    evidence = gather_evidence(tmp_path, exit_code=1)
+    assert evidence.root_rank == 0 and evidence.stopped_by_agent == {0}
+    assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
+
+
+def test_when_the_agent_stopped_every_rank_they_are_still_named() -> None:
+    evidence = Evidence(exit_code=-15, rank_exits={0: -15, 1: -15}, root_rank=0, stopped_by_agent=frozenset({0, 1}))
+    assert classify(evidence).summary == "rank 0 killed by SIGTERM (signal 15)"

@@ -19,6 +19,8 @@ _RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
 # "rank: 1 (local_rank: 1), exitcode: -9 (pid: 123)" depending on the version.
 _AGENT_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
 _AGENT_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+_AGENT_EXIT_PID = re.compile(r"exitcode\s*:\s*-?\d+\s*\(pid:\s*(\d+)\)")
+_AGENT_CLOSED = re.compile(r"Sending process (\d+) closing signal")
 # Enough to reach past the tracebacks that follow a first error (a DataLoader worker's error is followed by the
 # rank's own traceback and its peers' "connection closed"); tail_lines reads at most 64 KiB anyway.
 _TAIL_LINES = 1000
@@ -59,6 +61,9 @@ class Evidence:
     log_tails: dict[int, tuple[str, ...]] = field(default_factory=dict)  # rank -> last lines of its log
     agent_tail: tuple[str, ...] = ()
     root_rank: int | None = None  # the first failure torchrun observed ("Root Cause" in its summary)
+    # Ranks the agent itself terminated because another rank had failed: never a cause, even when torchrun
+    # names one as its root cause (a SIGKILLed rank has no error file, so a peer's later one can look older).
+    stopped_by_agent: frozenset[int] = frozenset()
     oom_kills: int = 0  # OOM kills the kernel counted on this node during the attempt
 
 
@@ -86,15 +91,19 @@ def classify(evidence: Evidence) -> Failure:
                 f"rank {rank}: a collective timed out; another rank stopped taking part",
                 hits[-1].strip(),
             )
-    root_code = evidence.rank_exits.get(evidence.root_rank) if evidence.root_rank is not None else None
+    stopped = evidence.stopped_by_agent
+    if stopped.issuperset(evidence.rank_exits):  # the agent stopped every rank (its own stop): blame among them
+        stopped = frozenset()
+    root_rank = evidence.root_rank if evidence.root_rank not in stopped else None
+    root_code = evidence.rank_exits.get(root_rank) if root_rank is not None else None
     if root_code is not None and root_code < 0:  # the others' errors ("connection reset") only follow from it
-        return _killed(evidence.root_rank, root_code, evidence.oom_kills)  # type: ignore[arg-type]
-    signalled = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code < 0}
+        return _killed(root_rank, root_code, evidence.oom_kills)  # type: ignore[arg-type]
+    signalled = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code < 0 and rank not in stopped}
     if signalled and all(_PEER_LOST.search(e.message) for e in evidence.exceptions):
         # Only a lost peer was raised: the killed rank is the cause, whichever agent reported first.
         return _killed(*next(iter(signalled.items())), evidence.oom_kills)
     if evidence.exceptions:
-        first = next((e for e in evidence.exceptions if e.rank == evidence.root_rank), evidence.exceptions[0])
+        first = next((e for e in evidence.exceptions if e.rank == root_rank), evidence.exceptions[0])
         return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
     if any(_RENDEZVOUS_LOST.search(line) for line in evidence.agent_tail):
         return Failure(FailureCause.NODE_LOST, "a node left the rendezvous (its agent or machine is gone)")
@@ -140,12 +149,13 @@ def gather_evidence(log_dir: Path, exit_code: int | None, oom_kills: int = 0, ag
     """`agent_log_start`: the agent log's size when the attempt began; the log is shared by every attempt and,
     on several nodes, by every node's agent."""
     agent_lines = _lines_since(log_dir / AGENT_LOG, agent_log_start)
-    exits, root_rank = _agent_rank_exits(agent_lines)
+    exits, root_rank, stopped_by_agent = _agent_rank_exits(agent_lines)
     return Evidence(
         exit_code=exit_code,
         exceptions=tuple(_exceptions(log_dir)),
         rank_exits=exits,
         root_rank=root_rank,
+        stopped_by_agent=stopped_by_agent,
         log_tails={
             int(match.group(1)): tuple(tail_lines(path, _TAIL_LINES))
             for path in (log_dir.iterdir() if log_dir.is_dir() else [])
@@ -201,11 +211,14 @@ def _lines_since(path: Path, start: int, max_bytes: int = 1 << 20) -> list[str]:
         return []
 
 
-def _agent_rank_exits(agent_lines: list[str]) -> tuple[dict[int, int], int | None]:
+def _agent_rank_exits(agent_lines: list[str]) -> tuple[dict[int, int], int | None, frozenset[int]]:
     """rank -> exit code from the failure summaries torchrun prints when workers fail, and the rank named as
     the root cause (the first failure observed) in the first summary written: with several nodes each agent
-    prints its own, and a later one is a peer failing because of the first (e.g. "connection reset")."""
+    prints its own, and a later one is a peer failing because of the first (e.g. "connection reset"). Also the
+    ranks whose process the agent sent a closing signal to."""
     exits: dict[int, int] = {}
+    closed_pids = {int(match.group(1)) for line in agent_lines if (match := _AGENT_CLOSED.search(line))}
+    stopped: set[int] = set()
     rank: int | None = None
     root_rank: int | None = None
     in_root_section = False
@@ -222,8 +235,11 @@ def _agent_rank_exits(agent_lines: list[str]) -> tuple[dict[int, int], int | Non
         exit_match = _AGENT_EXIT.search(line)
         if exit_match and rank is not None:
             exits[rank] = int(exit_match.group(1))
+            pid_match = _AGENT_EXIT_PID.search(line)
+            if pid_match and int(pid_match.group(1)) in closed_pids:
+                stopped.add(rank)
             rank = None
-    return exits, root_rank
+    return exits, root_rank, frozenset(stopped)
 
 
 def oom_kill_count() -> int:
