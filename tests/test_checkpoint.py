@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, read_manifest, restore_rng
+from clusterfit.outputs.checkpoints import read_manifest
+from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_rng
 from clusterfit.worker.dist import DistEnv
 
 SOLO = DistEnv(rank=0, world_size=1, local_rank=0, local_world_size=1)

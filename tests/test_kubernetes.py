@@ -17,7 +17,7 @@ from conftest import REPO, cli_command, run_cli, tiny_job, write_job
 from jsonschema import Draft7Validator
 
 from clusterfit.backends.kubernetes import job_status, manifests_text, render_manifests
-from clusterfit.backends.torchrun import resolved_spec_text
+from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.spec import validate_spec
 
 DATA = REPO / "tests" / "data" / "kubernetes"

@@ -20,8 +20,8 @@ import pytest
 from confinement import memory_limit_missing, memory_limited, small_shm, small_shm_missing
 from conftest import cli_command, processes_mentioning, run_cli, tiny_job, wait_for, write_job
 
+from clusterfit.outputs import JobOutputs, RankBeat, read_heartbeats
 from clusterfit.service.migrate import open_store
-from clusterfit.service.records import read_heartbeats
 
 
 def _submit(tmp_path: Path, name: str = "tiny", prefix: Sequence[str] = (), **changes: Any) -> tuple[str, Path]:
@@ -87,7 +87,7 @@ def test_cancel_mid_run_leaves_no_process(tmp_path: Path) -> None:
     job_id, out = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
     wait_for(lambda: _state(job_id) == "RUNNING", 180, "RUNNING")
     job = open_store().get(job_id)
-    beats = wait_for(lambda: len(read_heartbeats(out)) == 2 and read_heartbeats(out), 60, "both heartbeats")
+    beats = wait_for(lambda: _both_heartbeats(out), 60, "both heartbeats")
     pids = [beat.pid for beat in beats.values()]
     pids += [int(json.loads(job.engine_ref)["id"]), int(json.loads(job.supervisor)["pid"])]
     assert all(_alive(pid) for pid in pids)
@@ -166,7 +166,7 @@ def test_a_collective_that_waits_too_long_is_named(tmp_path: Path) -> None:
 def test_a_rank_killed_by_sigkill_is_named(tmp_path: Path) -> None:
     job_id, out = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
     wait_for(lambda: _state(job_id) == "RUNNING", 180, "RUNNING")
-    beats = wait_for(lambda: len(read_heartbeats(out)) == 2 and read_heartbeats(out), 60, "both heartbeats")
+    beats = wait_for(lambda: _both_heartbeats(out), 60, "both heartbeats")
     os.kill(beats[1].pid, signal.SIGKILL)
     assert _ended(job_id) == "FAILED"
     status = _status(job_id)
@@ -277,3 +277,8 @@ def test_data_gone_before_a_queued_job_starts_is_a_bad_spec(
     assert _ended(waiting) == "FAILED"
     status = _status(waiting)
     assert "cause: bad spec (BAD_SPEC)" in status and "no such folder" in status
+
+
+def _both_heartbeats(out: Path) -> dict[int, RankBeat] | None:
+    beats = read_heartbeats(JobOutputs(out))
+    return beats if len(beats) == 2 else None

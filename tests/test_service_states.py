@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from clusterfit.outputs import JobOutputs
 from clusterfit.service.causes import Evidence, RankException, classify, gather_evidence
 from clusterfit.service.states import (
     Decision,
@@ -246,35 +247,43 @@ Root Cause (first observed failure):
 
 
 def test_with_several_agents_the_first_summary_written_names_the_root_cause(tmp_path: Path) -> None:
-    (tmp_path / "agent.log").write_text(AGENT_SUMMARY + PEER_SUMMARY)
-    evidence = gather_evidence(tmp_path, exit_code=1)
+    logs = JobOutputs(tmp_path).logs
+    logs.mkdir()
+    (logs / "agent.log").write_text(AGENT_SUMMARY + PEER_SUMMARY)
+    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
     assert evidence.root_rank == 1 and evidence.rank_exits == {0: 1, 1: -9}
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
 
 
 def test_a_killed_rank_beats_a_peers_connection_reset_even_when_reported_second(tmp_path: Path) -> None:
-    (tmp_path / "agent.log").write_text(PEER_SUMMARY + AGENT_SUMMARY)
-    (tmp_path / "rank-0.error.json").write_text(
+    logs = JobOutputs(tmp_path).logs
+    logs.mkdir()
+    (logs / "agent.log").write_text(PEER_SUMMARY + AGENT_SUMMARY)
+    (logs / "rank-0.error.json").write_text(
         json.dumps({"message": {"message": "RuntimeError: Read error: Connection reset by peer.", "extraInfo": {}}})
     )
-    evidence = gather_evidence(tmp_path, exit_code=1)
+    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
     assert evidence.root_rank == 0 and len(evidence.exceptions) == 1
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
 
 
 def test_an_earlier_attempts_summary_is_not_evidence(tmp_path: Path) -> None:
+    logs = JobOutputs(tmp_path).logs
+    logs.mkdir()
     earlier = AGENT_SUMMARY.replace("exitcode  : -9 (pid: 22250)  (SIGKILL)", "exitcode  : -15 (pid: 22250)")
-    (tmp_path / "agent.log").write_text(earlier)
-    start = (tmp_path / "agent.log").stat().st_size
-    with open(tmp_path / "agent.log", "a") as log:
+    (logs / "agent.log").write_text(earlier)
+    start = (logs / "agent.log").stat().st_size
+    with open(logs / "agent.log", "a") as log:
         log.write(PEER_SUMMARY)
-    evidence = gather_evidence(tmp_path, exit_code=1, agent_log_start=start)
+    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1, agent_log_start=start)
     assert evidence.root_rank == 0 and evidence.rank_exits == {0: 1}
 
 
 def test_torchruns_failure_summary_is_read_with_its_root_cause(tmp_path: Path) -> None:
-    (tmp_path / "agent.log").write_text(AGENT_SUMMARY)
-    evidence = gather_evidence(tmp_path, exit_code=1)
+    logs = JobOutputs(tmp_path).logs
+    logs.mkdir()
+    (logs / "agent.log").write_text(AGENT_SUMMARY)
+    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
     assert evidence.rank_exits == {0: 1, 1: -9}
     assert evidence.root_rank == 1
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
@@ -307,11 +316,13 @@ Root Cause (first observed failure):
 
 
 def test_a_rank_the_agent_stopped_itself_is_never_the_cause(tmp_path: Path) -> None:
-    (tmp_path / "agent.log").write_text(AGENT_STOPPED_THE_PEER)
-    (tmp_path / "rank-0.error.json").write_text(
+    logs = JobOutputs(tmp_path).logs
+    logs.mkdir()
+    (logs / "agent.log").write_text(AGENT_STOPPED_THE_PEER)
+    (logs / "rank-0.error.json").write_text(
         json.dumps({"message": {"message": "RuntimeError: Read error: Connection reset by peer.", "extraInfo": {}}})
     )
-    evidence = gather_evidence(tmp_path, exit_code=1)
+    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
     assert evidence.root_rank == 0 and evidence.stopped_by_agent == {0}
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
 

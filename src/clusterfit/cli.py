@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from clusterfit.outputs import JobOutputs
 from clusterfit.spec import JobSpec, SpecError, load_spec
 
 app = typer.Typer(
@@ -107,7 +108,7 @@ def run(
 
     store = _store()
     job = record_job(store, spec, owner=_user())
-    out = Path(job.outputs_dir)
+    out = JobOutputs.at(job.outputs_dir)
     console.print(f"job {job.id} ({spec.name}) on the {spec.resources.backend} engine", markup=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` of the launcher cancels the job like Ctrl-C
     with LiveView(out, console) as view:
@@ -125,23 +126,20 @@ def run(
             [
                 f"job {spec.name} ({job.id}) failed: {final.failure_cause.words if final.failure_cause else 'unknown'}",
                 *(final.cause_detail or "").splitlines(),
-                *([] if final.failure_cause is FailureCause.BAD_SPEC else [f"every rank's log is in {out / 'logs'}"]),
+                *([] if final.failure_cause is FailureCause.BAD_SPEC else [f"every rank's log is in {out.logs}"]),
             ]
         ),
         1,
     )
 
 
-def _print_result(spec: JobSpec, out: Path) -> None:
-    from clusterfit.backends.torchrun import RESOLVED_SPEC
-    from clusterfit.worker.summary import SUMMARY_FILE
+def _print_result(spec: JobSpec, out: JobOutputs) -> None:
+    from clusterfit.outputs import finished_this_run
 
     if spec.trainer is None or spec.resources.backend == "kubernetes":  # no summary, or it is in the claim
-        console.print(f"job {spec.name} finished; every rank's log is in {out / 'logs'}", markup=False)
+        console.print(f"job {spec.name} finished; every rank's log is in {out.logs}", markup=False)
         return
-    summary = out / SUMMARY_FILE
-    # Both files are on the outputs filesystem, so their times come from the same clock, even across nodes.
-    if not summary.exists() or summary.stat().st_mtime < (out / RESOLVED_SPEC).stat().st_mtime:
+    if not finished_this_run(out):
         # The workers stopped at a checkpoint on request (SIGUSR1) before the last step.
         errors.print(f"job {spec.name} stopped at a checkpoint before its end; run it again to resume", markup=False)
         raise typer.Exit(STOPPED_EARLY)
@@ -306,8 +304,8 @@ def logs(
     """Every rank's log merged, each line labelled with its rank and node; -f follows it live."""
     import time
 
-    from clusterfit.monitoring.logtail import LOG_DIR, LogFollower
-    from clusterfit.service.records import read_heartbeats
+    from clusterfit.monitoring.logtail import LogFollower
+    from clusterfit.outputs import read_heartbeats
 
     if server:
         with _remote(server, token) as client:
@@ -315,14 +313,13 @@ def logs(
         return
     store = _store()
     job = _job(store, job_id)
+    outputs = JobOutputs.at(job.outputs_dir)
 
     def node_of(rank_number: int) -> str | None:
-        beat = read_heartbeats(job.outputs_dir).get(rank_number)
+        beat = read_heartbeats(outputs).get(rank_number)
         return beat.host if beat else None
 
-    follower = LogFollower(
-        Path(job.outputs_dir) / LOG_DIR, from_start=True, ranks=None if rank is None else {rank}, node_of=node_of
-    )
+    follower = LogFollower(outputs.logs, from_start=True, ranks=None if rank is None else {rank}, node_of=node_of)
     while True:
         ended = store.get(job.id).job_state.is_terminal
         for line in follower.drain() if ended or not follow else follower.poll():
@@ -551,9 +548,10 @@ def data_stage(
 
     Credentials come from the environment: AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_KEY,
     AZURE_STORAGE_SAS_TOKEN (or CLUSTERFIT_STORAGE_SAS_TOKEN), AWS_* for s3://."""
-    from clusterfit.data.staging import SAS_TOKEN_ENV, Credentials, describe, stage
+    from clusterfit.data.staging import Credentials, describe, stage
+    from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV
 
-    token = os.environ.get(SAS_TOKEN_ENV) or os.environ.get("AZURE_STORAGE_SAS_TOKEN")
+    token = os.environ.get(STORAGE_SAS_TOKEN_ENV) or os.environ.get("AZURE_STORAGE_SAS_TOKEN")
     creds = Credentials(account_name=account_name, endpoint=endpoint, sas_token=token or None)
     try:
         report = stage(url, cache_dir, creds, workers=workers)
@@ -743,10 +741,11 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _print_summary(out: Path) -> None:
-    from clusterfit.worker.summary import SUMMARY_FILE
+def _print_summary(out: JobOutputs) -> None:
+    from clusterfit.outputs import read_summary
 
-    summary = json.loads((out / SUMMARY_FILE).read_text())
+    summary = read_summary(out)
+    assert summary is not None, "checked by finished_this_run"
     table = Table(title=f"{summary['name']}: {summary['world_size']} worker(s), {summary['precision']}")
     table.add_column("epoch", justify="right")
     table.add_column("images/s", justify="right")
@@ -767,9 +766,7 @@ def _print_summary(out: Path) -> None:
         worst = ", ".join(entry["file"] for entry in inputs["files"][:3])
         console.print(f"skipped {inputs['skipped_files']} unreadable input files ({reasons}): {worst}", markup=False)
     console.print(f"model: {', '.join(summary['exported'])}")
-    console.print(
-        f"summary: {out / SUMMARY_FILE}  metrics: {out / 'metrics.jsonl'}  tensorboard: {out / 'tensorboard'}"
-    )
+    console.print(f"summary: {out.summary}  metrics: {out.metrics}  tensorboard: {out.tensorboard}")
 
 
 def main() -> None:

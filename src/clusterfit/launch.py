@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from clusterfit.data.folders import inspect_data, steps_per_epoch
+from clusterfit.outputs import JobOutputs
+from clusterfit.outputs.checkpoints import published, read_manifest
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec
-from clusterfit.worker.manifest import CHECKPOINT_DIR, published, read_manifest
 
 
 def preflight(spec: JobSpec) -> None:
@@ -20,7 +21,7 @@ def preflight(spec: JobSpec) -> None:
     facts = inspect_data(spec.trainer.data, spec.storage)
     if facts.train_images is not None:  # data at a URL is counted by the workers, once staged
         steps_per_epoch(spec.trainer, facts, spec.world_size)
-    latest = published(Path(spec.outputs.dir) / CHECKPOINT_DIR)
+    latest = published(JobOutputs.at(spec.outputs.dir).checkpoints)
     if latest:
         saved = read_manifest(latest[0])
         wanted = {"model": spec.trainer.model, "num_classes": len(facts.classes), "norm_layer": spec.trainer.norm_layer}

@@ -15,7 +15,9 @@ import yaml
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.polled import PolledRun
-from clusterfit.backends.torchrun import RDZV_PORT, RESOLVED_SPEC, resolved_spec_text, torchrun_command, worker_env
+from clusterfit.backends.torchrun import RDZV_PORT, torchrun_command, worker_env
+from clusterfit.outputs.layout import RESOLVED_SPEC
+from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec
 

@@ -3,27 +3,25 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.torchrun import (
-    RESOLVED_SPEC,
-    resolved_spec_text,
+    resolved_spec_file,
     ship_code,
     storage_secret_env,
     threads_per_worker,
     torchrun_command,
-    with_shipped_code,
     worker_env,
 )
-from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
+from clusterfit.files import write_atomically
+from clusterfit.outputs import JobOutputs
+from clusterfit.processes import descendants, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
 
 _CANCEL_GRACE_S = 20.0
@@ -38,7 +36,7 @@ class LocalBackend:
             backend=self.name,
             command=torchrun_command(spec),
             env={**worker_env(threads), **spec.environment_variables},
-            files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(with_shipped_code(spec))},
+            files=resolved_spec_file(spec),
             secret_env=storage_secret_env(spec),
         )
 
@@ -46,12 +44,12 @@ class LocalBackend:
         rendered = self.dry_run(spec)
         ship_code(spec)
         for path, content in rendered.files.items():
-            _write_atomically(Path(path), content)
-        log_dir = Path(spec.outputs.dir) / LOG_DIR
-        log_dir.mkdir(parents=True, exist_ok=True)
+            write_atomically(Path(path), content)
+        outputs = JobOutputs.at(spec.outputs.dir)
+        outputs.logs.mkdir(parents=True, exist_ok=True)
         # NOTE: the agent writes to a file, never to a pipe: a pipe whose reader died breaks torchrun's
         # log tailing threads and leaves the agent hanging at exit.
-        with open(log_dir / AGENT_LOG, "a") as agent_log:
+        with open(outputs.agent_log, "a") as agent_log:
             process = subprocess.Popen(
                 rendered.command,
                 env={**os.environ, **rendered.env, **rendered.secret_env},
@@ -59,7 +57,7 @@ class LocalBackend:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: a cancel reaches the agent and its helpers
-                preexec_fn=_stop_when_launcher_dies,
+                preexec_fn=stop_with_parent,  # a launcher killed outright leaves no orphans
             )
         return LocalRun(process)
 
@@ -100,47 +98,14 @@ def _stop_group(pgid: int, wait: Callable[[float], None]) -> None:
     # NOTE: torchrun starts each worker in a session of its own, so the agent's group holds the agent (and
     # the staging/data-loader helpers it shares a group with) but not the workers. SIGTERM to the agent makes
     # it stop the workers; workers found beforehand are killed too if they outlive the grace period.
-    workers = _descendants(pgid)
+    workers = descendants(pgid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
     wait(_CANCEL_GRACE_S)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
     for pid, start_time in workers.items():
-        if process_start_time(pid) == start_time:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
-def _descendants(pid: int) -> dict[int, str]:
-    """pid -> start time of every process below `pid` (read from /proc; the start time guards pid reuse)."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, str] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.name))
-        starts[int(entry.name)] = fields[19]
-    found: dict[int, str] = {}
-    pending = list(children.get(pid, []))
-    while pending:
-        child = pending.pop()
-        found[child] = starts[child]
-        pending += children.get(child, [])
-    return found
-
-
-def process_start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]
+        kill_if_same(pid, start_time)
 
 
 def _group_alive(ref: EngineRef) -> bool:
@@ -160,18 +125,3 @@ def _wait_group_gone(ref: EngineRef, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while _group_alive(ref) and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def _stop_when_launcher_dies() -> None:
-    # NOTE: runs in the child before exec. If the launcher is killed outright (SIGKILL, OOM killer), the
-    # kernel sends the agent SIGTERM, and the agent stops its workers: a dead launcher leaves no orphans.
-    if sys.platform == "linux":
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-
-
-def _write_atomically(path: Path, content: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(content)
-    os.replace(tmp, path)

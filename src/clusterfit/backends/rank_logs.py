@@ -11,23 +11,9 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, Std, to_map
 
-RANK_LOG_ENV = "CLUSTERFIT_RANK_LOG"
-
-
-def rank_log_path(log_dir: str | Path, rank: int) -> Path:
-    return Path(log_dir) / f"rank-{rank}.log"
-
-
-def rotate(path: Path) -> None:
-    """rank-0.log -> rank-0.log.1 -> rank-0.log.2 ...: a restart never overwrites the log of a failure."""
-    if not path.exists():
-        return
-    generation = 1
-    while path.with_name(f"{path.name}.{generation}").exists():
-        generation += 1
-    for older in range(generation, 1, -1):
-        os.replace(path.with_name(f"{path.name}.{older - 1}"), path.with_name(f"{path.name}.{older}"))
-    os.replace(path, path.with_name(f"{path.name}.1"))
+from clusterfit.outputs import RANK_LOG_ENV
+from clusterfit.outputs.layout import rank_error_file_name, rank_log_name
+from clusterfit.outputs.logs import rotate
 
 
 class RankLogsSpecs(LogsSpecs):
@@ -52,7 +38,7 @@ class RankLogsSpecs(LogsSpecs):
         dest = LogsDest()
         for local_rank, env in envs.items():
             rank = int(env["RANK"])
-            path = rank_log_path(self.root_log_dir, rank)
+            path = Path(self.root_log_dir) / rank_log_name(rank)
             rotate(path)
             # NOTE: only stdout is redirected; the worker points its stderr at the same file descriptor
             # (it reads RANK_LOG_ENV), because two handles opened on one file would overwrite each other.
@@ -61,7 +47,7 @@ class RankLogsSpecs(LogsSpecs):
             env[RANK_LOG_ENV] = str(path)
             if tee[local_rank] & Std.OUT and (not self._local_ranks_filter or local_rank in self._local_ranks_filter):
                 dest.tee_stdouts[local_rank] = str(path)
-            error_file = Path(self.root_log_dir) / f"rank-{rank}.error.json"
+            error_file = Path(self.root_log_dir) / rank_error_file_name(rank)
             error_file.unlink(missing_ok=True)
             dest.error_files[local_rank] = str(error_file)
             env["TORCHELASTIC_ERROR_FILE"] = str(error_file)

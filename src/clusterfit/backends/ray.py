@@ -18,7 +18,6 @@ its `EngineRef`). Whoever sees the job end (the handle, or `cancel`) removes the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -34,15 +33,15 @@ from typing import Any
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.polled import wait_for_exit
 from clusterfit.backends.torchrun import (
-    RESOLVED_SPEC,
-    resolved_spec_text,
+    resolved_spec_file,
     ship_code,
     storage_secret_env,
     torchrun_command,
-    with_shipped_code,
     worker_env,
 )
-from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
+from clusterfit.files import write_atomically
+from clusterfit.outputs import JobOutputs
+from clusterfit.processes import stop_with_parent
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec
 
@@ -138,7 +137,7 @@ class RayBackend:
             backend=self.name,
             command=command,
             env=node_env(spec),
-            files={str(Path(spec.outputs.dir) / RESOLVED_SPEC): resolved_spec_text(with_shipped_code(spec))},
+            files=resolved_spec_file(spec),
             secret_env=storage_secret_env(spec),
             placement=placement,
         )
@@ -181,7 +180,7 @@ class RayBackend:
         try:
             places = ray.get([actor.where.remote() for actor in actors])
             rdzv_endpoint = f"{places[0].ip}:{ray.get(actors[0].free_port.remote())}"
-            log_dir = str(Path(spec.outputs.dir).resolve() / LOG_DIR)
+            log_dir = str(JobOutputs.at(Path(spec.outputs.dir).resolve()).logs)
             starts = [
                 actor.start.remote(
                     node_command(
@@ -276,13 +275,9 @@ class NodeAgent:
                 "folder every node sees (outputs.dir and data paths must be on a shared filesystem)"
             )
         for path, content in files.items():
-            target = Path(cwd, path)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            tmp.write_text(content)
-            os.replace(tmp, target)
+            write_atomically(Path(cwd, path), content)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        with open(Path(log_dir) / AGENT_LOG, "a") as agent_log:
+        with open(JobOutputs.at(Path(log_dir).parent).agent_log, "a") as agent_log:
             self._process = subprocess.Popen(
                 command,
                 cwd=cwd,
@@ -291,7 +286,7 @@ class NodeAgent:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_stop_when_actor_dies,
+                preexec_fn=stop_with_parent,  # a killed actor leaves no training processes behind
             )
         threading.Thread(target=self._record_exit, daemon=True).start()
         return self._process.pid
@@ -361,14 +356,6 @@ def _alive(process: Any) -> bool:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
-
-
-def _stop_when_actor_dies() -> None:
-    # NOTE: runs in the child before exec. If the actor is killed outright, the kernel sends the agent SIGTERM
-    # and the agent stops its workers: a killed actor leaves no training processes behind.
-    if sys.platform == "linux":
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _actor_name(job_id: str, node: int) -> str:

@@ -15,18 +15,16 @@ import time
 from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
-from clusterfit.backends.local import _write_atomically
 from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import (
-    RESOLVED_SPEC,
-    resolved_spec_text,
+    resolved_spec_file,
     ship_code,
     storage_secret_env,
     torchrun_command,
-    with_shipped_code,
     worker_env,
 )
-from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
+from clusterfit.files import write_atomically
+from clusterfit.outputs import JobOutputs
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec
 
@@ -68,7 +66,7 @@ def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
         "--ntasks-per-node=1",  # one torchrun agent per node; it starts the node's workers
         "--exclusive",  # the agent's workers share the node's cores (OMP threads = cores / workers)
         f"--chdir={workdir}",
-        f"--output={out / LOG_DIR / AGENT_LOG}",
+        f"--output={JobOutputs.at(out).agent_log}",
         "--open-mode=append",  # a requeued run adds to the log instead of replacing it
         "--requeue",
         # NOTE: B: = only the batch shell; it forwards the signal to the workers and requeues the job after.
@@ -124,7 +122,7 @@ class SlurmBackend:
             backend=self.name,
             command=["sbatch", "--parsable", str(script.resolve())],
             files={
-                str(out / RESOLVED_SPEC): resolved_spec_text(with_shipped_code(spec)),
+                **resolved_spec_file(spec),
                 str(script): sbatch_script(spec, python=sys.executable, workdir=os.getcwd()),
             },
             secret_env=storage_secret_env(spec),
@@ -136,8 +134,8 @@ class SlurmBackend:
         rendered = self.dry_run(spec)
         ship_code(spec)
         for path, content in rendered.files.items():
-            _write_atomically(Path(path), content)
-        (Path(spec.outputs.dir) / LOG_DIR).mkdir(parents=True, exist_ok=True)
+            write_atomically(Path(path), content)
+        JobOutputs.at(spec.outputs.dir).logs.mkdir(parents=True, exist_ok=True)
         # sbatch exports the submitting environment to the job (--export=ALL): the secret travels that way.
         result = subprocess.run(
             rendered.command, env={**os.environ, **rendered.secret_env}, capture_output=True, text=True

@@ -10,15 +10,12 @@ import shutil
 import sys
 from pathlib import Path
 
-import yaml
-
-from clusterfit.monitoring.logtail import LOG_DIR
+from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV, JobOutputs
+from clusterfit.outputs.layout import CODE_DIR
+from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.spec.model import JobSpec
 
-RESOLVED_SPEC = "job.yaml"
-STORAGE_SAS_TOKEN_ENV = "CLUSTERFIT_STORAGE_SAS_TOKEN"  # read by clusterfit.data.staging in the workers
 RDZV_PORT = 29400  # torchrun's default c10d port on the first node
-CODE_DIR = "code"  # a command job's `code`, copied under outputs.dir at submission
 
 
 def threads_per_worker(processes: int, cores: int | None = None) -> int:
@@ -27,15 +24,16 @@ def threads_per_worker(processes: int, cores: int | None = None) -> int:
     return max(1, cores // processes)
 
 
-def resolved_spec_text(spec: JobSpec) -> str:
-    return yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False)
-
-
 def with_shipped_code(spec: JobSpec) -> JobSpec:
     """The spec the workers read: a command job's `code` is its copy in outputs.dir, on every node."""
     if spec.code is None:
         return spec
-    return spec.model_copy(update={"code": str(Path(spec.outputs.dir).resolve() / CODE_DIR)})
+    return spec.model_copy(update={"code": str(JobOutputs.at(Path(spec.outputs.dir).resolve()).code)})
+
+
+def resolved_spec_file(spec: JobSpec) -> dict[str, str]:
+    """job.yaml in outputs.dir, as `Rendered.files` holds it: the spec every worker reads, on every engine."""
+    return {str(JobOutputs.at(spec.outputs.dir).resolved_spec): resolved_spec_text(with_shipped_code(spec))}
 
 
 def ship_code(spec: JobSpec) -> None:
@@ -44,7 +42,7 @@ def ship_code(spec: JobSpec) -> None:
     if spec.code is None:
         return
     outputs = Path(spec.outputs.dir).resolve()
-    target = outputs / CODE_DIR
+    target = JobOutputs.at(outputs).code
     staging = target.with_name(f".{CODE_DIR}.tmp")
     skipped_names = shutil.ignore_patterns(".git", "__pycache__", ".venv")
 
@@ -79,7 +77,7 @@ def worker_argv(spec: JobSpec, spec_path: str | None = None) -> list[str]:
     """The program torchrun starts in each worker process: the built-in trainer, or the command-job wrapper.
     The resolved spec is read from outputs.dir unless the engine puts it elsewhere (`spec_path`)."""
     module = "clusterfit.worker" if spec.command is None else "clusterfit.worker.command"
-    return ["-m", module, "--spec", spec_path or str(Path(spec.outputs.dir) / RESOLVED_SPEC)]
+    return ["-m", module, "--spec", spec_path or str(JobOutputs.at(spec.outputs.dir).resolved_spec)]
 
 
 def torchrun_command(
@@ -98,7 +96,6 @@ def torchrun_command(
     `rdzv_is_host` says whether this node's agent hosts the rendezvous store (torchrun guesses it from the
     host name otherwise, which is ambiguous when several nodes share one host); `local_addr` is the address
     other nodes reach this one at (torchrun uses its host name otherwise, which may not resolve elsewhere)."""
-    out = Path(spec.outputs.dir)
     dist = spec.distribution
     nodes = spec.resources.instance_count
     if rdzv_endpoint is None:
@@ -122,6 +119,6 @@ def torchrun_command(
         f"--nproc-per-node={dist.process_count_per_instance}",
         f"--max-restarts={dist.max_restarts}",
         "--logs-specs=clusterfit",
-        f"--log-dir={out / LOG_DIR}",
+        f"--log-dir={JobOutputs.at(spec.outputs.dir).logs}",
         *worker_argv(spec, spec_path),
     ]

@@ -23,6 +23,8 @@ import yaml
 from clusterfit.backends.torchrun import threads_per_worker
 from clusterfit.bench.machine import bench_precision
 from clusterfit.bench.train import NUM_CLASSES, _run, machine_facts
+from clusterfit.outputs import JobOutputs, RecordKind, read_records
+from clusterfit.outputs.checkpoints import published
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES
 
@@ -162,12 +164,12 @@ def _run_mode(config: CkptBenchConfig, mode: str, precision: str, workdir: Path)
     spec = workdir / f"{mode}.yaml"
     spec.write_text(yaml.safe_dump(job, sort_keys=False))
     _run(f"clusterfit run ({mode} checkpoints)", [sys.executable, "-m", "clusterfit", "run", str(spec)])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    outputs = JobOutputs.at(out)
     global_batch = config.batch * config.workers
-    step_seconds = [global_batch / r["images_per_s"] for r in records if r.get("kind") == "train"]
-    stalls = [r["stall_s"] for r in records if r.get("kind") == "checkpoint" and r["step"] < config.steps]
-    published = sorted((out / "checkpoints").glob("step-*"))
-    size = sum(f.stat().st_size for f in published[-1].iterdir()) if published else 0
+    step_seconds = [global_batch / r["images_per_s"] for r in read_records(outputs.metrics, [RecordKind.TRAIN])]
+    stalls = [r["stall_s"] for r in read_records(outputs.metrics, [RecordKind.CHECKPOINT]) if r["step"] < config.steps]
+    newest = published(outputs.checkpoints)
+    size = sum(f.stat().st_size for f in newest[0].iterdir()) if newest else 0
     if len(step_seconds) != config.steps:
         raise SpecError(f"{mode} checkpoints: {len(step_seconds)} step timings, expected {config.steps}")
     return ModeResult(mode, stalls, step_seconds, size)

@@ -40,6 +40,7 @@ import yaml
 
 from clusterfit.backends.torchrun import threads_per_worker
 from clusterfit.bench.machine import bench_precision, cpu_model
+from clusterfit.outputs import JobOutputs, RecordKind, read_records
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES
 
@@ -272,8 +273,7 @@ def run_clusterfit(
     spec = workdir / f"clusterfit-{model}-{workers}.yaml"
     spec.write_text(yaml.safe_dump(job, sort_keys=False))
     _run(f"clusterfit run ({model}, {workers} worker(s))", [sys.executable, "-m", "clusterfit", "run", str(spec)])
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = [r for r in records if r.get("kind") == "train"]
+    steps = read_records(JobOutputs.at(out).metrics, [RecordKind.TRAIN])
     global_batch = config.batch * workers
     return [r["images_per_s"] for r in steps], [r["data_wait"] * global_batch / r["images_per_s"] for r in steps]
 

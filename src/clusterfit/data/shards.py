@@ -33,6 +33,7 @@ from PIL import Image
 
 from clusterfit.data.decode import BadImage, decode_rgb, open_image
 from clusterfit.data.folders import IMG_EXTENSIONS, inspect_folder
+from clusterfit.files import write_atomically
 from clusterfit.spec.errors import SpecError
 from clusterfit.storage.checksums import sha256_of
 
@@ -369,9 +370,7 @@ def pack_folder(
         "shards": [shard.__dict__ for shard in shards],
         "skipped": [{"file": f, "reason": r} for f, r in report.skipped],
     }
-    tmp = out / f".{INDEX}.tmp"
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / INDEX)
+    write_atomically(out / INDEX, json.dumps(index, indent=1))
     report.shards = len(shards)
     report.bytes = sum(s.bytes for s in shards)
     report.seconds = time.perf_counter() - started

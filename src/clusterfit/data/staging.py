@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clusterfit.files import write_atomically
+from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec, StorageSpec
 from clusterfit.storage.checksums import sha256_of
@@ -34,7 +36,6 @@ MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
 VERIFIED = "verified-by"
 DATA_DIR = "data"
-SAS_TOKEN_ENV = "CLUSTERFIT_STORAGE_SAS_TOKEN"  # how the launcher hands storage.sas_token to workers
 _CHUNK = 4 << 20
 
 
@@ -134,7 +135,7 @@ def stage(
             return report
         _stage_locked(url, target, creds, workers, report, on_file)
         if run_token:
-            _write_atomically(target / VERIFIED, run_token)
+            write_atomically(target / VERIFIED, run_token)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -193,7 +194,7 @@ def _stage_locked(
     files = {rel: journal[rel] for rel in sorted(listing)}
     if any(rel not in journal for rel in listing):  # pragma: no cover - every copy either raised or journaled
         raise StagingError(f"{url}: some files were not copied; run again to resume")
-    _write_atomically(target / MANIFEST, json.dumps({"url": _public(url), "files": files}, indent=1))
+    write_atomically(target / MANIFEST, json.dumps({"url": _public(url), "files": files}, indent=1))
     (target / JOURNAL).unlink(missing_ok=True)
     report.files, report.bytes = len(files), sum(e["bytes"] for e in files.values())
 
@@ -319,7 +320,7 @@ def _read_journal(path: Path) -> dict[str, dict[str, Any]]:
 
 
 def _rewrite_journal(path: Path, entries: dict[str, dict[str, Any]]) -> None:
-    _write_atomically(path, "".join(json.dumps({"file": k, **v}) + "\n" for k, v in entries.items()))
+    write_atomically(path, "".join(json.dumps({"file": k, **v}) + "\n" for k, v in entries.items()))
 
 
 def _read_text(path: Path) -> str | None:
@@ -329,15 +330,9 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def credentials(storage: StorageSpec) -> Credentials:
     """The spec's storage section; a SAS token the launcher passed in the environment (never in job.yaml)."""
-    token = storage.sas_token.get_secret_value() if storage.sas_token else os.environ.get(SAS_TOKEN_ENV)
+    token = storage.sas_token.get_secret_value() if storage.sas_token else os.environ.get(STORAGE_SAS_TOKEN_ENV)
     return Credentials(account_name=storage.account_name, endpoint=storage.endpoint, sas_token=token or None)
 
 

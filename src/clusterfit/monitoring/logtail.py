@@ -7,15 +7,12 @@ same follower works for any engine whose logs land in the outputs folder.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-_CURRENT_RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
-LOG_DIR = "logs"  # under outputs.dir, for every engine
-AGENT_LOG = "agent.log"
+from clusterfit.outputs.logs import is_followed_log, log_label, log_order
 
 
 @dataclass
@@ -46,7 +43,7 @@ class LogFollower:
 
     def poll(self) -> list[str]:
         lines: list[str] = []
-        for name, path in sorted(self._current_files().items(), key=lambda item: _order(item[0])):
+        for name, path in sorted(self._current_files().items(), key=lambda item: log_order(item[0])):
             label = f"[{self._label(name)}] "
             entry = self._open.get(name)
             if entry is not None and _inode(path) != entry.inode:  # rotated: finish the old file first
@@ -70,20 +67,10 @@ class LogFollower:
     def _current_files(self) -> dict[str, Path]:
         if not self.log_dir.is_dir():
             return {}
-        return {p.name: p for p in self.log_dir.iterdir() if self._wanted(p.name)}
-
-    def _wanted(self, name: str) -> bool:
-        match = _CURRENT_RANK_LOG.match(name)
-        if self.ranks is None:
-            return bool(match) or name == AGENT_LOG
-        return bool(match) and int(match.group(1)) in self.ranks
+        return {p.name: p for p in self.log_dir.iterdir() if is_followed_log(p.name, self.ranks)}
 
     def _label(self, name: str) -> str:
-        match = _CURRENT_RANK_LOG.match(name)
-        if not match:
-            return "torchrun"
-        node = self.node_of(int(match.group(1))) if self.node_of else None
-        return f"rank{match.group(1)}@{node}" if node else f"rank{match.group(1)}"
+        return log_label(name, self.node_of)
 
     @staticmethod
     def _open_at(path: Path, end: bool) -> _OpenLog:
@@ -105,8 +92,3 @@ def _inode(path: Path) -> int | None:
         return path.stat().st_ino
     except FileNotFoundError:
         return None
-
-
-def _order(name: str) -> int:
-    match = _CURRENT_RANK_LOG.match(name)
-    return int(match.group(1)) if match else -1

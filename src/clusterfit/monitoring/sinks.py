@@ -2,32 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Protocol
 
-METRICS_FILE = "metrics.jsonl"
-TENSORBOARD_DIR = "tensorboard"
+from clusterfit.outputs import JobOutputs, MetricsWriter, RecordKind
 
 
 class MetricSink(Protocol):
     def write(self, record: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
-
-
-class JsonlSink:
-    """One JSON object per line, flushed at once so followers (the CLI, the dashboard) see it live."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        self._file.close()
 
 
 class TensorBoardSink:
@@ -40,7 +24,7 @@ class TensorBoardSink:
         step = record.get("step", 0)
         for key, value in record.items():
             if key not in ("kind", "step", "epoch", "time") and isinstance(value, (int, float)):
-                self._writer.add_scalar(f"{record['kind']}/{key}", value, global_step=step)
+                self._writer.add_scalar(f"{RecordKind(record['kind']).value}/{key}", value, global_step=step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -60,8 +44,8 @@ class FanOut:
             sink.close()
 
 
-def open_metric_sinks(outputs_dir: Path, is_main: bool) -> MetricSink:
-    """Only the main process records metrics; the others get a sink that drops them."""
+def open_metric_sinks(outputs: JobOutputs, is_main: bool) -> MetricSink:
+    """Only the main process records metrics (metrics.jsonl and TensorBoard); the others get a sink that drops them."""
     if not is_main:
         return FanOut([])
-    return FanOut([JsonlSink(outputs_dir / METRICS_FILE), TensorBoardSink(outputs_dir / TENSORBOARD_DIR)])
+    return FanOut([MetricsWriter(outputs.metrics), TensorBoardSink(outputs.tensorboard)])

@@ -14,7 +14,7 @@ from torch import nn
 
 from clusterfit.data.loaders import IMAGENET_MEAN, IMAGENET_STD
 from clusterfit.models import build_model
-from clusterfit.worker.export import WEIGHTS_FILE
+from clusterfit.outputs import model_weights
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Classifier:
 
 def load_classifier(model_dir: str | Path) -> Classifier:
     """Rebuild the network named in the safetensors metadata and load its weights (no pickle involved)."""
-    path = Path(model_dir) / WEIGHTS_FILE
+    path = model_weights(model_dir)
     with safe_open(str(path), framework="pt") as f:
         metadata = {key: json.loads(value) for key, value in (f.metadata() or {}).items()}
     model = build_model(metadata["model"], len(metadata["classes"]), metadata["norm_layer"])

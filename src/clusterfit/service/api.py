@@ -24,10 +24,10 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from clusterfit import __version__
-from clusterfit.monitoring.logtail import LOG_DIR
+from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.auth import SCOPES, TokenError, Verdict, authorize, issue_token, parse_ttl
 from clusterfit.service.logview import read_logs
-from clusterfit.service.records import read_heartbeats, record_job
+from clusterfit.service.records import record_job
 from clusterfit.service.scheduler import reconcile, schedule
 from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import ApiToken, Job, JobNotFound, JobStore, StateConflict
@@ -141,10 +141,10 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
         cursor: str | None = None,
     ) -> dict[str, Any]:
         job = find(job_id)
-        beats = read_heartbeats(job.outputs_dir)
+        beats = read_heartbeats(JobOutputs.at(job.outputs_dir))
         ended = job.job_state.is_terminal
         chunk = read_logs(
-            Path(job.outputs_dir) / LOG_DIR,
+            JobOutputs.at(job.outputs_dir).logs,
             cursor,
             ranks=None if rank is None else {rank},
             node_of=lambda number: beats[number].host if number in beats else None,

@@ -10,11 +10,10 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterfit.monitoring.logtail import AGENT_LOG
+from clusterfit.outputs import JobOutputs
+from clusterfit.outputs.logs import rank_logs, rank_of_error_file
 from clusterfit.service.states import FailureCause
 
-_ERROR_FILE = re.compile(r"^rank-(\d+)\.error\.json$")
-_RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
 # torchrun's failure summary: "rank    : 1 (local_rank: 1)" then "exitcode  : -9 (pid: 123)", or one line
 # "rank: 1 (local_rank: 1), exitcode: -9 (pid: 123)" depending on the version.
 _AGENT_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
@@ -145,10 +144,13 @@ def _last(evidence: Evidence, rank: int) -> str:
     return "\n".join(lines[-_TRACEBACK_LINES:])
 
 
-def gather_evidence(log_dir: Path, exit_code: int | None, oom_kills: int = 0, agent_log_start: int = 0) -> Evidence:
+def gather_evidence(
+    outputs: JobOutputs, exit_code: int | None, oom_kills: int = 0, agent_log_start: int = 0
+) -> Evidence:
     """`agent_log_start`: the agent log's size when the attempt began; the log is shared by every attempt and,
     on several nodes, by every node's agent."""
-    agent_lines = _lines_since(log_dir / AGENT_LOG, agent_log_start)
+    log_dir = outputs.logs
+    agent_lines = _lines_since(outputs.agent_log, agent_log_start)
     exits, root_rank, stopped_by_agent = _agent_rank_exits(agent_lines)
     return Evidence(
         exit_code=exit_code,
@@ -156,11 +158,7 @@ def gather_evidence(log_dir: Path, exit_code: int | None, oom_kills: int = 0, ag
         rank_exits=exits,
         root_rank=root_rank,
         stopped_by_agent=stopped_by_agent,
-        log_tails={
-            int(match.group(1)): tuple(tail_lines(path, _TAIL_LINES))
-            for path in (log_dir.iterdir() if log_dir.is_dir() else [])
-            if (match := _RANK_LOG.match(path.name))
-        },
+        log_tails={rank: tuple(tail_lines(path, _TAIL_LINES)) for rank, path in rank_logs(log_dir).items()},
         agent_tail=tuple(agent_lines[-_TAIL_LINES:]),
         oom_kills=oom_kills,
     )
@@ -181,22 +179,18 @@ def tail_lines(path: Path, count: int, max_bytes: int = 64 * 1024) -> list[str]:
 def _exceptions(log_dir: Path) -> list[RankException]:
     found: list[RankException] = []
     for path in log_dir.glob("rank-*.error.json") if log_dir.is_dir() else []:
-        match = _ERROR_FILE.match(path.name)
+        rank = rank_of_error_file(path.name)
         try:
             record = json.loads(path.read_text())["message"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if not match or not isinstance(record, dict):
+        if rank is None or not isinstance(record, dict):
             continue
         message = " ".join(str(record.get("message", "")).split())
         extra = record.get("extraInfo", {}) or {}
         # Python 3.11+ underlines the failing expression with ^ and ~: noise in a summary.
         stack = [line for line in str(extra.get("py_callstack", "")).splitlines() if line.strip(" ^~")]
-        found.append(
-            RankException(
-                int(match.group(1)), message, tuple(stack[-_TRACEBACK_LINES:]), int(extra.get("timestamp", 0))
-            )
-        )
+        found.append(RankException(rank, message, tuple(stack[-_TRACEBACK_LINES:]), int(extra.get("timestamp", 0))))
     return sorted(found, key=lambda e: (e.timestamp, e.rank))
 
 

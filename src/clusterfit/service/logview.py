@@ -3,14 +3,12 @@ file) and asks for what came after it. Lines are labelled like `clusterfit logs`
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from clusterfit.monitoring.logtail import AGENT_LOG
+from clusterfit.outputs.logs import is_followed_log, log_label, log_order
 
-_RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
 _CHUNK_BYTES = 256 * 1024  # per file and request: a huge log arrives in pieces instead of one giant response
 
 
@@ -32,11 +30,6 @@ def parse_cursor(cursor: str | None) -> dict[str, int]:
     return offsets
 
 
-def _order(name: str) -> int:
-    match = _RANK_LOG.match(name)
-    return int(match.group(1)) if match else -1
-
-
 def read_logs(
     log_dir: Path,
     cursor: str | None,
@@ -48,20 +41,10 @@ def read_logs(
     """New complete lines of every wanted log after `cursor`; with `final` (the job ended) a last line without
     a newline is included too. A file that shrank was rotated by a restart: it is read again from its start."""
     offsets = parse_cursor(cursor)
-    names = []
-    if log_dir.is_dir():
-        for path in log_dir.iterdir():
-            match = _RANK_LOG.match(path.name)
-            wanted = (
-                (bool(match) or path.name == AGENT_LOG)
-                if ranks is None
-                else bool(match) and int(match.group(1)) in ranks
-            )
-            if wanted:
-                names.append(path.name)
+    names = [path.name for path in log_dir.iterdir() if is_followed_log(path.name, ranks)] if log_dir.is_dir() else []
     lines: list[str] = []
     more = False
-    for name in sorted(names, key=_order):
+    for name in sorted(names, key=log_order):
         path = log_dir / name
         start = offsets.get(name, 0)
         try:
@@ -82,18 +65,10 @@ def read_logs(
         text = data[:complete_up_to].decode("utf-8", errors="replace")
         offsets[name] = start + complete_up_to
         more = more or start + complete_up_to < size and not (final and at_end)
-        label = f"[{_label(name, node_of)}] "
+        label = f"[{log_label(name, node_of)}] "
         pieces = text.split("\n") if text else []
         if pieces and pieces[-1] == "":
             pieces.pop()  # the text ended with a newline: nothing follows it yet
         lines += [label + line for line in pieces]
     cursor_text = ",".join(f"{name}:{offset}" for name, offset in sorted(offsets.items()))
-    return LogChunk(lines=lines, cursor=cursor_text, more=more, files=sorted(names, key=_order))
-
-
-def _label(name: str, node_of: Callable[[int], str | None] | None) -> str:
-    match = _RANK_LOG.match(name)
-    if not match:
-        return "torchrun"
-    node = node_of(int(match.group(1))) if node_of else None
-    return f"rank{match.group(1)}@{node}" if node else f"rank{match.group(1)}"
+    return LogChunk(lines=lines, cursor=cursor_text, more=more, files=sorted(names, key=log_order))

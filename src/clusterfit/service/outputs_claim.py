@@ -11,9 +11,8 @@ import socket
 from pathlib import Path
 from typing import IO
 
+from clusterfit.outputs import JobOutputs
 from clusterfit.spec.errors import SpecError
-
-LOCK_FILE = ".clusterfit-lock"
 
 
 class OutputsInUse(SpecError):  # noqa: N818 - reads as the condition it reports
@@ -31,7 +30,7 @@ class OutputsClaim:
 def claim_outputs(outputs_dir: Path, job_id: str) -> OutputsClaim:
     """The outputs folder for `job_id` alone, or OutputsInUse naming the job that holds it."""
     outputs_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(outputs_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the job's life
+    handle = open(JobOutputs.at(outputs_dir).lock, "a+")  # noqa: SIM115 - held open for the job's life
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

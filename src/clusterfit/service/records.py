@@ -1,21 +1,19 @@
-"""Between a job spec and its record: what is stored (the resolved spec, never its secrets), where the
-secrets wait until the job runs, and what the ranks' heartbeats say about it."""
+"""Between a job spec and its record: what is stored (the resolved spec, never its secrets), and where the
+secrets wait until the job runs."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 from pydantic import SecretStr
 
-from clusterfit.backends.torchrun import resolved_spec_text
+from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.service.home import service_home
 from clusterfit.service.store import Job, JobStore
 from clusterfit.spec import JobSpec, validate_spec
-from clusterfit.worker.heartbeat import HEARTBEAT_DIR, TRAINING
 
 _SECRETS_DIR = "secrets"
 
@@ -58,40 +56,3 @@ def forget_secrets(job_id: str) -> None:
 
 def _secret_path(job_id: str) -> Path:
     return service_home() / _SECRETS_DIR / f"{job_id}.json"
-
-
-@dataclass(frozen=True)
-class RankBeat:
-    rank: int
-    phase: str
-    step: int
-    time: float
-    images_per_s: float | None
-    pid: int
-    host: str
-    attempt: int
-
-    @property
-    def training(self) -> bool:
-        return self.phase == TRAINING
-
-
-def read_heartbeats(outputs_dir: str | Path, attempt: int | None = None) -> dict[int, RankBeat]:
-    """rank -> its newest heartbeat (of `attempt` only, when given); unreadable files are skipped."""
-    beats: dict[int, RankBeat] = {}
-    folder = Path(outputs_dir) / HEARTBEAT_DIR
-    for path in folder.glob("rank-*.json") if folder.is_dir() else []:
-        try:
-            record = json.loads(path.read_text())
-            beat = RankBeat(rank=int(path.stem.split("-", 1)[1]), **record)
-        except (OSError, ValueError, TypeError):
-            continue
-        if attempt is None or beat.attempt == attempt:
-            beats[beat.rank] = beat
-    return beats
-
-
-def clear_heartbeats(outputs_dir: str | Path) -> None:
-    folder = Path(outputs_dir) / HEARTBEAT_DIR
-    for path in folder.glob("rank-*.json") if folder.is_dir() else []:
-        path.unlink(missing_ok=True)

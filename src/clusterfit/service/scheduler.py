@@ -17,7 +17,7 @@ from datetime import timedelta
 from filelock import FileLock
 
 from clusterfit.backends import EngineRef, get_backend
-from clusterfit.backends.local import process_start_time
+from clusterfit.processes import is_running
 from clusterfit.service.home import local_capacity, service_home
 from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import Job, JobStore, StateConflict, utcnow
@@ -68,7 +68,7 @@ def supervisor_alive(job: Job) -> bool:
     if info.get("host") != socket.gethostname():
         return utcnow() - job.updated_at < _SUPERVISOR_SILENCE
     pid = int(info["pid"])
-    return process_start_time(pid) == info.get("start_time") and _exists(pid)
+    return is_running(pid, info.get("start_time"))
 
 
 def reconcile(store: JobStore) -> list[str]:
@@ -96,18 +96,3 @@ def reconcile(store: JobStore) -> list[str]:
         except (StateConflict, IllegalTransition):
             continue
     return settled
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped) has no /proc/PID/stat state other than Z.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

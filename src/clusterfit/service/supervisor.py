@@ -17,20 +17,26 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from clusterfit.backends import RunHandle, get_backend
-from clusterfit.backends.local import process_start_time
 from clusterfit.launch import preflight
-from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
-from clusterfit.monitoring.progress import MetricsTail
-from clusterfit.monitoring.sinks import METRICS_FILE
+from clusterfit.outputs import (
+    ATTEMPT_ENV,
+    JobOutputs,
+    MetricsTail,
+    Phase,
+    RankBeat,
+    RecordKind,
+    clear_heartbeats,
+    read_heartbeats,
+)
+from clusterfit.outputs.layout import LOG_DIR, rank_log_name
+from clusterfit.processes import process_start_time
 from clusterfit.service.causes import Failure, classify, gather_evidence, oom_kill_count
 from clusterfit.service.outputs_claim import OutputsClaim, claim_outputs
-from clusterfit.service.records import RankBeat, clear_heartbeats, forget_secrets, read_heartbeats, spec_of
+from clusterfit.service.records import forget_secrets, spec_of
 from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
 from clusterfit.service.store import Job, JobStore, dump_json
 from clusterfit.spec import JobSpec, SpecError
-from clusterfit.worker.heartbeat import ATTEMPT_ENV
 
-SUPERVISOR_LOG = "supervisor.log"
 _RECORD_EVERY_S = 2.0  # progress written to the store at most this often; also the supervisor's liveness
 _HANG_GRACE_S = 3.0  # after a hang is seen, time for every rank's stack dump to reach its log
 
@@ -92,11 +98,11 @@ class Supervisor:
             return Outcome.FAILED, Failure(FailureCause.BAD_SPEC, str(exc))
         env = {**spec.environment_variables, ATTEMPT_ENV: str(attempt)}
         spec = spec.model_copy(update={"environment_variables": env})
-        outputs = Path(spec.outputs.dir)
+        outputs = JobOutputs.at(spec.outputs.dir)
         clear_heartbeats(outputs)
         backend = get_backend(spec.resources.backend)
         ooms_before = oom_kill_count()
-        agent_log = outputs / LOG_DIR / AGENT_LOG
+        agent_log = outputs.agent_log
         agent_log_start = agent_log.stat().st_size if agent_log.exists() else 0
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
@@ -119,12 +125,12 @@ class Supervisor:
             return outcome, Failure(FailureCause.HANG, detail)
         if code == 0:
             return Outcome.SUCCEEDED, None
-        evidence = gather_evidence(outputs / LOG_DIR, code, oom_kill_count() - ooms_before, agent_log_start)
+        evidence = gather_evidence(outputs, code, oom_kill_count() - ooms_before, agent_log_start)
         return Outcome.FAILED, classify(evidence)
 
     def _watch(self, job_id: str, spec: JobSpec, attempt: int, handle: RunHandle) -> tuple[Outcome, str]:
-        outputs = Path(spec.outputs.dir)
-        metrics = MetricsTail(outputs / METRICS_FILE)
+        outputs = JobOutputs.at(spec.outputs.dir)
+        metrics = MetricsTail(outputs.metrics)
         progress: dict[str, object] = {}
         running = False
         recorded_at = 0.0
@@ -134,7 +140,8 @@ class Supervisor:
             for record in metrics.read_new():
                 progress.update(_progress_fields(record))
             # A command job writes no heartbeats: it runs as soon as its engine has it.
-            if not running and (spec.command is not None or any(beat.phase != "staging" for beat in beats.values())):
+            staged = any(beat.phase != Phase.STAGING for beat in beats.values())
+            if not running and (spec.command is not None or staged):
                 started = "command started" if spec.command is not None else "training started"
                 self.store.transition(job_id, JobState.RUNNING, f"attempt {attempt}: {started}")
                 running = True
@@ -161,7 +168,7 @@ class Supervisor:
             time.sleep(self.poll_s)
 
     def _record_last_progress(
-        self, job_id: str, progress: dict[str, object], metrics: MetricsTail, outputs: Path, attempt: int
+        self, job_id: str, progress: dict[str, object], metrics: MetricsTail, outputs: JobOutputs, attempt: int
     ) -> int:
         """What the stopped ranks wrote last, so that status, the cancel note and the ranks' health agree."""
         for record in metrics.read_new():
@@ -198,9 +205,9 @@ class Supervisor:
 
 def _progress_fields(record: dict) -> dict[str, object]:
     kind = record.get("kind")
-    if kind == "start":
+    if kind == RecordKind.START:
         return {"total_steps": record.get("total_steps"), "step": record.get("step")}
-    if kind == "train":
+    if kind == RecordKind.TRAIN:
         return {
             "step": record["step"],
             "epoch": record.get("epoch"),
@@ -208,7 +215,7 @@ def _progress_fields(record: dict) -> dict[str, object]:
             "images_per_s": record.get("images_per_s"),
             "loss": record.get("loss"),
         }
-    if kind == "end":
+    if kind == RecordKind.END:
         return {"step": record["step"]}
     return {}
 
@@ -227,7 +234,7 @@ def _hang(beats: dict[int, RankBeat], hang_timeout: float, now: float) -> str | 
         where = f"rank {stalest.rank} is furthest behind at step {stalest.step}"
     else:
         where = f"every rank last reported step {steps.pop()}"
-    logs = ", ".join(f"{LOG_DIR}/rank-{rank}.log" for rank in sorted(beats))
+    logs = ", ".join(f"{LOG_DIR}/{rank_log_name(rank)}" for rank in sorted(beats))
     return (
         f"no training step on any rank for {now - newest:.0f} s (limits.hang_timeout = {hang_timeout:g} s); "
         f"{where}; the Python stacks of every thread of every rank are in {logs}"
@@ -245,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     os.setsid()
     store = open_store()
     job = store.get(job_id)
-    log_dir = Path(job.outputs_dir) / LOG_DIR
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / SUPERVISOR_LOG, "a", buffering=1) as out:
+    outputs = JobOutputs.at(job.outputs_dir)
+    outputs.logs.mkdir(parents=True, exist_ok=True)
+    with open(outputs.supervisor_log, "a", buffering=1) as out:
         os.dup2(out.fileno(), sys.stdout.fileno())
         os.dup2(out.fileno(), sys.stderr.fileno())
 

@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
 import yaml
 
-from clusterfit.monitoring.logtail import LOG_DIR
-from clusterfit.service.records import read_heartbeats
+from clusterfit.outputs import JobOutputs, Phase, RecordKind, read_heartbeats, read_records, read_summary
+from clusterfit.outputs.checkpoints import published
 from clusterfit.service.states import FailureCause, JobState
 from clusterfit.service.store import Job, JobStore, utcnow
-from clusterfit.worker.manifest import CHECKPOINT_DIR, published
 
 _STALE_BEAT_S = 30.0  # a rank silent this long while its job runs is flagged
 
@@ -53,11 +50,11 @@ def rank_health(job: Job) -> list[dict[str, Any]]:
     """Each rank's newest heartbeat of the current attempt and how old it is."""
     now = time.time()
     rows = []
-    for rank, beat in sorted(read_heartbeats(job.outputs_dir, job.attempt or None).items()):
+    for rank, beat in sorted(read_heartbeats(JobOutputs.at(job.outputs_dir), job.attempt or None).items()):
         age = now - beat.time
         if not job.job_state.is_active:
             health = "ended"
-        elif age > _STALE_BEAT_S and beat.phase == "training":
+        elif age > _STALE_BEAT_S and beat.phase == Phase.TRAINING:
             health = "silent"
         else:
             health = "ok"
@@ -80,7 +77,7 @@ def job_status(store: JobStore, job: Job) -> dict[str, Any]:
     return {
         **job_row(job),
         "outputs_dir": job.outputs_dir,
-        "logs_dir": str(Path(job.outputs_dir) / LOG_DIR),
+        "logs_dir": str(JobOutputs.at(job.outputs_dir).logs),
         "ranks_health": rank_health(job),
         "history": [
             {"at": _iso(event.at), "state": event.state, "message": event.message} for event in store.events(job.id)
@@ -90,34 +87,21 @@ def job_status(store: JobStore, job: Job) -> dict[str, Any]:
 
 def job_details(store: JobStore, job: Job) -> dict[str, Any]:
     """`clusterfit show`: the resolved spec, where everything went, the final metrics, the checkpoints."""
-    out = Path(job.outputs_dir)
-    summary_path = out / "summary.json"
-    model_dir = out / "model"
+    out = JobOutputs.at(job.outputs_dir)
     return {
         **job_status(store, job),
         "spec": yaml.safe_load(job.spec_yaml),
-        "summary": json.loads(summary_path.read_text()) if summary_path.exists() else None,
-        "model_files": sorted(str(path) for path in model_dir.iterdir()) if model_dir.is_dir() else [],
-        "checkpoints": [str(path) for path in published(out / CHECKPOINT_DIR)],
-        "metrics_file": str(out / "metrics.jsonl"),
-        "tensorboard_dir": str(out / "tensorboard"),
+        "summary": read_summary(out),
+        "model_files": sorted(str(path) for path in out.model.iterdir()) if out.model.is_dir() else [],
+        "checkpoints": [str(path) for path in published(out.checkpoints)],
+        "metrics_file": str(out.metrics),
+        "tensorboard_dir": str(out.tensorboard),
     }
 
 
 def metrics_series(job: Job, limit: int = 2000) -> list[dict[str, Any]]:
     """The job's training records (step, loss, images/s), for charts."""
-    path = Path(job.outputs_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if record.get("kind") in ("train", "val"):
-            records.append(record)
-    return records[-limit:]
+    return read_records(JobOutputs.at(job.outputs_dir).metrics, (RecordKind.TRAIN, RecordKind.VAL))[-limit:]
 
 
 def age(value: str | None) -> str:

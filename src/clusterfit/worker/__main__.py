@@ -6,12 +6,11 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from clusterfit.backends.rank_logs import RANK_LOG_ENV
 from clusterfit.data.staging import stage_inputs
+from clusterfit.outputs import RANK_LOG_ENV, JobOutputs, Phase
 from clusterfit.spec import load_spec
 from clusterfit.worker.dist import read_dist_env, shutdown_distributed
 from clusterfit.worker.heartbeat import Heartbeat
@@ -34,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         run_token = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getppid()))
         spec = load_spec(args.spec)
         env = read_dist_env()
-        Heartbeat(Path(spec.outputs.dir), env.rank, spec.limits.hang_timeout, 0).beat("staging", 0, force=True)
+        outputs = JobOutputs.at(spec.outputs.dir)
+        Heartbeat(outputs, env.rank, spec.limits.hang_timeout, 0).beat(Phase.STAGING, 0, force=True)
         spec = stage_inputs(spec, run_token, log=logging.getLogger("clusterfit.data").info)
         train(spec, env)
     finally:

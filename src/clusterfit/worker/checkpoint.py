@@ -10,7 +10,6 @@ loop's collectives on the same process group and corrupt both."""
 from __future__ import annotations
 
 import io
-import json
 import logging
 import os
 import random
@@ -24,23 +23,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from clusterfit.worker.dist import DistEnv, barrier
-from clusterfit.worker.manifest import (
-    MANIFEST,
+from clusterfit.files import fsync_dir, write_atomically, write_durably
+from clusterfit.outputs.checkpoints import (
     SHARED_STATE,
     TMP_PREFIX,
     checkpoint_name,
     published,
+    rank_file,
     read_manifest,
-    sha256_of,
     verify,
+    write_manifest,
 )
+from clusterfit.worker.dist import DistEnv, barrier
 
 log = logging.getLogger(__name__)
-
-
-def rank_file(rank: int) -> str:
-    return f"rank-{rank:05d}.pt"
 
 
 @dataclass(frozen=True)
@@ -143,20 +139,17 @@ class CheckpointStore:
 
     def _write_part(self, tmp: Path, shared: dict[str, Any], own: dict[str, Any]) -> None:
         if self.env.is_main:
-            _write_durably(tmp / SHARED_STATE, _serialize(shared))
-        part = tmp / rank_file(self.env.rank)
-        _write_durably(part.with_name(part.name + ".part"), _serialize(own))
-        os.replace(part.with_name(part.name + ".part"), part)  # appears whole or not at all
-        _fsync_dir(tmp)
+            write_durably(tmp / SHARED_STATE, _serialize(shared))
+        # A part appears whole or not at all: rank 0 publishes as soon as every part's name exists.
+        write_atomically(tmp / rank_file(self.env.rank), _serialize(own), durable=True)
+        fsync_dir(tmp)
 
     def _publish(self, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> None:
-        files = {f.name: {"bytes": f.stat().st_size, "sha256": sha256_of(f)} for f in sorted(tmp.iterdir())}
-        manifest = {"step": step, "world_size": self.env.world_size, "created": time.time(), "files": files, **info}
-        _write_durably(tmp / MANIFEST, json.dumps(manifest, indent=2).encode())
+        write_manifest(tmp, {"step": step, "world_size": self.env.world_size, "created": time.time(), **info})
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         self._prune()
 
     def load_latest(self, device: torch.device) -> LoadedCheckpoint | None:
@@ -222,18 +215,3 @@ def _serialize(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
-from clusterfit.backends.rank_logs import RANK_LOG_ENV
+from clusterfit.outputs import RANK_LOG_ENV
 from clusterfit.spec import load_spec
 
 _EXCHANGE_TIMEOUT = timedelta(minutes=10)

@@ -11,8 +11,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-WEIGHTS_FILE = "model.safetensors"
-TORCHSCRIPT_FILE = "model.torchscript.pt"
+from clusterfit.outputs import model_torchscript, model_weights
 
 
 def export_model(model: nn.Module, out_dir: Path, *, metadata: dict[str, Any], image_size: int) -> list[Path]:
@@ -20,9 +19,9 @@ def export_model(model: nn.Module, out_dir: Path, *, metadata: dict[str, Any], i
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model.float().cpu().eval()
     state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-    weights = out_dir / WEIGHTS_FILE
+    weights = model_weights(out_dir)
     save_file(state, str(weights), metadata={key: json.dumps(value) for key, value in metadata.items()})
-    scripted = out_dir / TORCHSCRIPT_FILE
+    scripted = model_torchscript(out_dir)
     example = torch.zeros(1, 3, image_size, image_size)
     with warnings.catch_warnings(), torch.no_grad():
         # NOTE: TorchScript is deprecated upstream in favour of torch.export, but it is still what most

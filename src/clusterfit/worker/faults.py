@@ -11,9 +11,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from clusterfit.worker.heartbeat import ATTEMPT_ENV
+from clusterfit.outputs import ATTEMPT_ENV, FAULT_ENV
 
-FAULT_ENV = "CLUSTERFIT_FAULT"
 _KINDS = ("raise", "hang", "exit", "oom")
 _OOM_CHUNK_BYTES = 64 << 20
 

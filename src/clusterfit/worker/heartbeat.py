@@ -1,6 +1,6 @@
 """Each rank's sign of life for the job service, and its own stack dump when it stops making progress.
 
-`outputs.dir/heartbeats/rank-N.json` is rewritten at most once a second (step, phase, the time of that step,
+`heartbeats/rank-N.json` in the outputs folder is rewritten at most once a second (step, phase, the time of that step,
 images/s, pid, host): the service reads these files, so it works the same for every engine whose outputs folder
 it sees. A beat that comes too soon after the last write is written when the second is up, so the file always
 ends at the rank's true last step, also when the rank hangs right after it. Every write re-arms a faulthandler
@@ -11,36 +11,30 @@ where no Python-level watchdog could run."""
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-HEARTBEAT_DIR = "heartbeats"
-TRAINING = "training"  # the one phase whose silence counts as a hang
-ATTEMPT_ENV = "CLUSTERFIT_ATTEMPT"  # set by the job service: which run of the job this is, from 1
-
-
-def heartbeat_path(outputs_dir: Path, rank: int) -> Path:
-    return outputs_dir / HEARTBEAT_DIR / f"rank-{rank}.json"
+from clusterfit.outputs import ATTEMPT_ENV, JobOutputs, Phase, RankBeat, write_heartbeat
 
 
 @dataclass(frozen=True)
 class _Beat:
-    phase: str
+    phase: Phase
     step: int
     monotonic: float
     wall: float
 
 
 class Heartbeat:
-    def __init__(self, outputs_dir: Path, rank: int, hang_timeout: float, images_per_step: int, interval: float = 1.0):
-        self.path = heartbeat_path(outputs_dir, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(
+        self, outputs: JobOutputs, rank: int, hang_timeout: float, images_per_step: int, interval: float = 1.0
+    ) -> None:
+        self.outputs = outputs
+        self.rank = rank
         self.hang_timeout = hang_timeout
         self.images_per_step = images_per_step
         self.interval = interval
@@ -51,7 +45,7 @@ class Heartbeat:
         self._pending: _Beat | None = None
         self._flush_timer: threading.Timer | None = None
 
-    def beat(self, phase: str, step: int, *, force: bool = False) -> None:
+    def beat(self, phase: Phase, step: int, *, force: bool = False) -> None:
         """Cheap enough for every step: it writes at most once a second (or at once when forced)."""
         with self._lock:
             self._pending = _Beat(phase, step, time.monotonic(), time.time())
@@ -76,20 +70,19 @@ class Heartbeat:
         rate = None
         if last is not None and beat.step > last.step and beat.monotonic > last.monotonic:
             rate = (beat.step - last.step) * self.images_per_step / (beat.monotonic - last.monotonic)
-        record = {
-            "phase": beat.phase,
-            "step": beat.step,
-            "time": beat.wall,
-            "images_per_s": rate,
-            "pid": os.getpid(),
-            "host": self.host,
-            "attempt": self.attempt,
-        }
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)
+        record = RankBeat(
+            rank=self.rank,
+            phase=beat.phase.value,
+            step=beat.step,
+            time=beat.wall,
+            images_per_s=rate,
+            pid=os.getpid(),
+            host=self.host,
+            attempt=self.attempt,
+        )
+        write_heartbeat(self.outputs, record)
         self._written = beat
-        if beat.phase == TRAINING:  # staging a large dataset or a long validation is not a hang
+        if beat.phase is Phase.TRAINING:  # staging a large dataset or a long validation is not a hang
             # Counted from the step, not from this write, which may come up to a second later.
             timeout = self.hang_timeout + self.interval - (time.monotonic() - beat.monotonic)
             # The dump goes to stderr, which the worker points at its rank log.

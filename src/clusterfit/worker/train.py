@@ -21,24 +21,21 @@ from clusterfit.data.loaders import build_train_data, build_val_loader, normaliz
 from clusterfit.data.quality import InputTally, describe
 from clusterfit.models import build_model
 from clusterfit.monitoring.sinks import open_metric_sinks
+from clusterfit.outputs import JobOutputs, Phase, RecordKind, write_summary
 from clusterfit.spec.model import JobSpec
 from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_rng
 from clusterfit.worker.dist import DistEnv, all_reduce_sum, init_distributed, pick_device
 from clusterfit.worker.evaluate import evaluate
 from clusterfit.worker.export import export_model
 from clusterfit.worker.faults import fault_from_env
-from clusterfit.worker.heartbeat import TRAINING, Heartbeat
+from clusterfit.worker.heartbeat import Heartbeat
 from clusterfit.worker.inputs import InputWatch
-from clusterfit.worker.manifest import CHECKPOINT_DIR
 from clusterfit.worker.optim import build_optimizer, build_schedule, match_kernel_to_parameters, scaled_lr
 from clusterfit.worker.parallel import Strategy, parallelize
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
 from clusterfit.worker.stop_signal import StoppedForRequeue, StopSignal
-from clusterfit.worker.summary import write_summary
 
 log = logging.getLogger("clusterfit.train")
-
-MODEL_DIR = "model"
 
 
 @dataclass
@@ -91,7 +88,7 @@ class Trainer:
     def __init__(self, spec: JobSpec, env: DistEnv) -> None:
         self.started = time.time()
         self.spec, self.env, self.cfg = spec, env, spec.trainer
-        self.out = Path(spec.outputs.dir)
+        self.out = JobOutputs.at(spec.outputs.dir)
         self.device = pick_device(env)
         init_distributed(env, self.device, spec.limits.collective_timeout)
         log.info(
@@ -135,7 +132,7 @@ class Trainer:
         self.scaler = make_grad_scaler(self.precision, self.device)
 
         self.store = CheckpointStore(
-            self.out / CHECKPOINT_DIR, self.cfg.checkpoint.keep, env, async_save=self.cfg.checkpoint.async_save
+            self.out.checkpoints, self.cfg.checkpoint.keep, env, async_save=self.cfg.checkpoint.async_save
         )
         self.progress = Progress()
         self.resumed_from = self._restore()
@@ -168,7 +165,7 @@ class Trainer:
             )
         self.sinks.write(
             {
-                "kind": "start",
+                "kind": RecordKind.START,
                 "step": progress.global_step,
                 "total_steps": self.total_steps,
                 "steps_per_epoch": self.steps_per_epoch,
@@ -183,7 +180,7 @@ class Trainer:
             while progress.epoch < cfg.epochs:
                 record = self._train_epoch()
                 if self.val_loader is not None:
-                    self.heartbeat.beat("validating", progress.global_step, force=True)
+                    self.heartbeat.beat(Phase.VALIDATING, progress.global_step, force=True)
                     record.update(self._validate())
                 progress.history.append(record)
                 progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
@@ -195,13 +192,13 @@ class Trainer:
             self.sinks.close()
             return None
         self.store.wait()  # the last checkpoint is published before the model is exported
-        self.heartbeat.beat("exporting", progress.global_step, force=True)
+        self.heartbeat.beat(Phase.EXPORTING, progress.global_step, force=True)
         peak_memory = self._peak_memory_per_rank()  # measured before export adds its own copies
         full = self.strategy.full_state(self.optimizer)  # collective
         summary = self._export(full[0], peak_memory) if full is not None else None
-        self.sinks.write({"kind": "end", "step": progress.global_step, "time": time.time()})
+        self.sinks.write({"kind": RecordKind.END, "step": progress.global_step, "time": time.time()})
         self.sinks.close()
-        self.heartbeat.beat("done", progress.global_step, force=True)
+        self.heartbeat.beat(Phase.DONE, progress.global_step, force=True)
         return summary
 
     def _train_epoch(self) -> dict[str, Any]:
@@ -223,7 +220,7 @@ class Trainer:
             interval.add(loss, data_wait)
             progress.step_in_epoch += 1
             progress.global_step += 1
-            self.heartbeat.beat(TRAINING, progress.global_step)
+            self.heartbeat.beat(Phase.TRAINING, progress.global_step)
             if self.fault:
                 self.fault.trigger(self.env.rank, progress.global_step)
             end_of_epoch = progress.step_in_epoch == self.steps_per_epoch
@@ -256,7 +253,7 @@ class Trainer:
         self._sync_inputs()
         progress = self.progress
         record = {
-            "kind": "train",
+            "kind": RecordKind.TRAIN,
             "step": progress.global_step,
             "epoch": progress.epoch + 1,
             "total_steps": self.total_steps,
@@ -283,7 +280,7 @@ class Trainer:
         epoch = self.progress.epoch + 1
         model = self.strategy.eval_module()
         metrics = evaluate(model, self.val_loader, self.device, self.precision, self.cfg.channels_last, self.env)
-        self.sinks.write({"kind": "val", "step": self.progress.global_step, "epoch": epoch, **metrics})
+        self.sinks.write({"kind": RecordKind.VAL, "step": self.progress.global_step, "epoch": epoch, **metrics})
         if self.env.is_main:
             log.info(
                 "epoch %d validation: top1 %.4f top5 %.4f loss %.4f on %d images",
@@ -343,7 +340,7 @@ class Trainer:
         path = self.store.save(self.progress.global_step, shared, capture_rng(self.device), info)
         stalled = time.perf_counter() - started  # how long training stood still for this checkpoint
         self.sinks.write(
-            {"kind": "checkpoint", "step": self.progress.global_step, "stall_s": stalled, "time": time.time()}
+            {"kind": RecordKind.CHECKPOINT, "step": self.progress.global_step, "stall_s": stalled, "time": time.time()}
         )
         if self.env.is_main:
             written = "writing in the background" if self.store.async_save else "published"
@@ -373,14 +370,15 @@ class Trainer:
             "job": self.spec.name,
             "global_step": self.progress.global_step,
         }
-        exported = export_model(model, self.out / MODEL_DIR, metadata=metadata, image_size=cfg.data.image_size)
+        exported = export_model(model, self.out.model, metadata=metadata, image_size=cfg.data.image_size)
         log.info("exported %s", ", ".join(str(p) for p in exported))
         log.info("%s", describe(self.inputs.tally))
         return write_summary(
             self.out,
-            spec=self.spec,
-            progress_history=self.progress.history,
-            exported=exported,
+            name=self.spec.name,
+            spec=self.spec.model_dump(mode="json"),
+            epochs=self.progress.history,
+            exported=[str(path) for path in exported],
             wall_seconds=time.time() - self.started,
             world_size=self.env.world_size,
             precision=self.precision.name,

@@ -1,0 +1,65 @@
+"""heartbeats/rank-N.json: each rank's newest sign of life, rewritten about once a second by the worker and read
+by the job service (progress, RUNNING, hang detection, per-rank health) for any engine whose outputs it sees."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass
+
+from clusterfit.files import write_atomically
+from clusterfit.outputs.layout import JobOutputs
+
+
+class Phase(str, enum.Enum):
+    """What a rank is doing. Only silence in TRAINING counts as a hang: staging a large dataset or a long
+    validation is not one."""
+
+    STAGING = "staging"
+    TRAINING = "training"
+    VALIDATING = "validating"
+    EXPORTING = "exporting"
+    DONE = "done"
+
+
+@dataclass(frozen=True)
+class RankBeat:
+    rank: int
+    phase: str
+    step: int
+    time: float  # wall-clock time of that step (not of the write, which may come up to a second later)
+    images_per_s: float | None
+    pid: int
+    host: str
+    attempt: int
+
+    @property
+    def training(self) -> bool:
+        return self.phase == Phase.TRAINING
+
+
+def write_heartbeat(outputs: JobOutputs, beat: RankBeat) -> None:
+    record = asdict(beat)
+    del record["rank"]  # the file name says it
+    write_atomically(outputs.heartbeat(beat.rank), json.dumps(record))
+
+
+def read_heartbeats(outputs: JobOutputs, attempt: int | None = None) -> dict[int, RankBeat]:
+    """rank -> its newest heartbeat (of `attempt` only, when given); unreadable files are skipped."""
+    beats: dict[int, RankBeat] = {}
+    folder = outputs.heartbeats
+    for path in folder.glob("rank-*.json") if folder.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+            beat = RankBeat(rank=int(path.stem.split("-", 1)[1]), **record)
+        except (OSError, ValueError, TypeError):
+            continue
+        if attempt is None or beat.attempt == attempt:
+            beats[beat.rank] = beat
+    return beats
+
+
+def clear_heartbeats(outputs: JobOutputs) -> None:
+    folder = outputs.heartbeats
+    for path in folder.glob("rank-*.json") if folder.is_dir() else []:
+        path.unlink(missing_ok=True)

@@ -1,0 +1,107 @@
+"""Where everything lives inside one job's outputs folder (`outputs.dir`): the one place these names are spelt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+RESOLVED_SPEC = "job.yaml"
+LOG_DIR = "logs"
+AGENT_LOG = "agent.log"
+SUPERVISOR_LOG = "supervisor.log"
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+HEARTBEAT_DIR = "heartbeats"
+CHECKPOINT_DIR = "checkpoints"
+MODEL_DIR = "model"
+SUMMARY_FILE = "summary.json"
+CODE_DIR = "code"
+LOCK_FILE = ".clusterfit-lock"
+
+WEIGHTS_FILE = "model.safetensors"
+TORCHSCRIPT_FILE = "model.torchscript.pt"
+
+
+@dataclass(frozen=True)
+class JobOutputs:
+    """One job's outputs folder. Every side of clusterfit builds paths through this: the launcher and the engines
+    (job.yaml, code/, logs/), the workers (logs, heartbeats, metrics, checkpoints, model, summary) and the job
+    service and CLI that read them back."""
+
+    root: Path
+
+    @classmethod
+    def at(cls, folder: str | Path) -> JobOutputs:
+        return cls(Path(folder))
+
+    @property
+    def resolved_spec(self) -> Path:
+        return self.root / RESOLVED_SPEC
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOG_DIR
+
+    @property
+    def agent_log(self) -> Path:
+        return self.logs / AGENT_LOG
+
+    @property
+    def supervisor_log(self) -> Path:
+        return self.logs / SUPERVISOR_LOG
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / rank_log_name(rank)
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / METRICS_FILE
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / TENSORBOARD_DIR
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.root / HEARTBEAT_DIR
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.heartbeats / f"rank-{rank}.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / CHECKPOINT_DIR
+
+    @property
+    def model(self) -> Path:
+        return self.root / MODEL_DIR
+
+    @property
+    def summary(self) -> Path:
+        return self.root / SUMMARY_FILE
+
+    @property
+    def code(self) -> Path:
+        return self.root / CODE_DIR
+
+    @property
+    def lock(self) -> Path:
+        return self.root / LOCK_FILE
+
+
+def rank_log_name(rank: int) -> str:
+    return f"rank-{rank}.log"
+
+
+def rank_error_file_name(rank: int) -> str:
+    """torchrun's error file for a rank (the failing exception as JSON), beside its log."""
+    return f"rank-{rank}.error.json"
+
+
+def model_weights(model_dir: str | Path) -> Path:
+    """The safetensors file of an exported model folder (a job's `model/`, or a copy of it anywhere)."""
+    return Path(model_dir) / WEIGHTS_FILE
+
+
+def model_torchscript(model_dir: str | Path) -> Path:
+    return Path(model_dir) / TORCHSCRIPT_FILE

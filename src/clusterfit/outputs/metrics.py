@@ -1,0 +1,70 @@
+"""metrics.jsonl: rank 0's records, one JSON object per line, appended and flushed at once so followers (the
+CLI's progress bar, the job service, the dashboard) see them live. Every record has a `kind` and a `step`."""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+
+class RecordKind(str, enum.Enum):
+    START = "start"  # total_steps, the step a resumed run starts at
+    TRAIN = "train"  # every log_every_steps: loss, lr, images/s, data wait
+    VAL = "val"  # after each epoch's validation: top1, top5, loss
+    CHECKPOINT = "checkpoint"  # how long the loop stood still for it
+    END = "end"
+
+
+class MetricsWriter:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class MetricsTail:
+    """Reads records appended since it was opened (or since the start); tolerates a half-written last line."""
+
+    def __init__(self, path: Path, *, from_start: bool = False) -> None:
+        self.path = path
+        self.offset = 0 if from_start or not path.exists() else path.stat().st_size
+        self._partial = ""
+
+    def read_new(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path) as f:
+            f.seek(self.offset)
+            chunk = f.read()
+            self.offset = f.tell()
+        lines = (self._partial + chunk).split("\n")
+        self._partial = lines.pop()
+        return list(_parse(lines))
+
+
+def read_records(path: Path, kinds: Iterable[RecordKind] | None = None) -> list[dict[str, Any]]:
+    """Every complete record in the file (of `kinds`, when given); a line cut short by a crash is skipped."""
+    if not path.exists():
+        return []
+    wanted = None if kinds is None else {kind.value for kind in kinds}
+    return [
+        record for record in _parse(path.read_text().splitlines()) if wanted is None or record.get("kind") in wanted
+    ]
+
+
+def _parse(lines: Iterable[str]) -> Iterable[dict[str, Any]]:
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            yield json.loads(line)
+        except ValueError:
+            continue

@@ -1,0 +1,53 @@
+"""summary.json: what a finished training job leaves beside its model, for people and for scoring jobs: the
+spec, images/s and metrics per epoch, the final metrics, the exported files, the wall time."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from clusterfit import __version__
+from clusterfit.files import write_atomically
+from clusterfit.outputs.layout import JobOutputs
+
+
+def write_summary(
+    outputs: JobOutputs,
+    *,
+    name: str,
+    spec: dict[str, Any],
+    epochs: list[dict[str, Any]],
+    exported: list[str],
+    wall_seconds: float,
+    **facts: Any,
+) -> dict[str, Any]:
+    summary = {
+        "name": name,
+        "clusterfit_version": __version__,
+        **facts,
+        "wall_seconds": round(wall_seconds, 3),
+        "epochs": epochs,
+        "final": dict(epochs[-1]) if epochs else {},
+        "exported": exported,
+        "spec": spec,
+    }
+    write_atomically(outputs.summary, json.dumps(summary, indent=2))
+    return summary
+
+
+def read_summary(outputs: JobOutputs) -> dict[str, Any] | None:
+    try:
+        return json.loads(outputs.summary.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def finished_this_run(outputs: JobOutputs) -> bool:
+    """Whether the summary was written by the run that the current job.yaml started (and not by an earlier one).
+
+    Both files are on the outputs filesystem, so their times come from one clock, even across nodes. A run that
+    stopped at a checkpoint on request (SIGUSR1, before Slurm requeues it) leaves no newer summary."""
+    try:
+        return outputs.summary.stat().st_mtime >= outputs.resolved_spec.stat().st_mtime
+    except FileNotFoundError:
+        return False

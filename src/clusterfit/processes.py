@@ -1,0 +1,75 @@
+"""Processes found again by pid, safely: a pid is reused by the kernel, so every pid clusterfit keeps is paired
+with the process's start time, and a process is only signalled while that pair still matches.
+
+Linux /proc is read directly (no psutil in the base install): the launcher, the job service and every engine's
+agent host use these helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+from pathlib import Path
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat (state first); the command name in field 2 may contain spaces or ')'."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def process_start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat); None if it is gone."""
+    fields = _stat_fields(pid)
+    return fields[19] if fields else None
+
+
+def is_running(pid: int, start_time: str | None = None) -> bool:
+    """Whether `pid` exists and is not a zombie (exited, not yet reaped); with `start_time`, also that it is the
+    same process, not a later one that got the pid."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] == "Z":
+        return False
+    return start_time is None or fields[19] == start_time
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """pid -> start time of every process below `pid`."""
+    children: dict[int, list[int]] = {}
+    starts: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = _stat_fields(int(entry.name))
+        if fields is None:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        starts[int(entry.name)] = fields[19]
+    found: dict[int, str] = {}
+    pending = list(children.get(pid, []))
+    while pending:
+        child = pending.pop()
+        found[child] = starts[child]
+        pending += children.get(child, [])
+    return found
+
+
+def kill_if_same(pid: int, start_time: str, sig: signal.Signals = signal.SIGKILL) -> None:
+    """Signal `pid` only if it is still the process that started at `start_time`."""
+    if process_start_time(pid) == start_time:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def stop_with_parent() -> None:
+    """A `preexec_fn`: the kernel sends the child SIGTERM when the process that started it dies.
+
+    torchrun's agent stops its workers on SIGTERM, so a launcher or Ray actor killed outright (SIGKILL, the
+    OOM killer) leaves no training processes behind."""
+    if sys.platform == "linux":
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
