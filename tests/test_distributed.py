@@ -249,8 +249,28 @@ def test_failed_job_names_the_rank_and_the_exception(tmp_path: Path, tiny_imagef
         and ".jpg (not an image)" in line
         for line in errors
     ), errors
-    assert errors[-1] == f"error: every rank's log is in {tmp_path / 'out' / 'logs'}"
+    assert errors[-1].startswith(f"error: every rank's log is in {tmp_path / 'out' / 'logs'}, torchrun's report in")
     assert "Traceback" not in result.stderr
+    assert "Traceback" not in result.stdout, "the ranks' tracebacks stay in their logs; the cause leads instead"
+
+
+def test_a_killed_rank_leads_the_console_with_its_cause(tmp_path: Path) -> None:
+    """One rank SIGKILLed mid-training: the console names it first and leaves out the peer's secondary
+    "connection reset" traceback and torchrun's report (about 110 lines before), which stay in the logs."""
+    job = tiny_job(tmp_path / "out", steps_per_epoch=50)
+    job["environment_variables"] = {"CLUSTERFIT_FAULT": "kill:rank=1:step=3"}
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 1
+    errors = result.stderr.strip().splitlines()
+    assert re.fullmatch(r"error: job tiny \(\w+\) failed: killed by a signal", errors[0]), result.stderr
+    assert errors[1].startswith("error: rank 1 killed by SIGKILL (signal 9)"), errors
+    console = result.stdout + result.stderr
+    assert "Connection reset" not in console and "ChildFailedError" not in console, console
+    assert len(console.splitlines()) < 25, console
+    logs = tmp_path / "out" / "logs"
+    assert "ChildFailedError" in (logs / "agent.log").read_text(), "torchrun's report is kept in its log"
+    if "Traceback" in (logs / "rank-0.log").read_text():  # the peer failed on its own before torchrun stopped it
+        assert errors[-1].endswith("(not shown here: the tracebacks of rank0)"), errors
 
 
 def test_the_engines_example_runs_to_completion_locally(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from clusterfit.backends.torchrun import threads_per_worker
 from clusterfit.data.imagefolder import ShardSampler
 from clusterfit.data.synthetic import SyntheticData
 from clusterfit.models import build_model
+from clusterfit.monitoring.tracebacks import HeldTracebacks
 from clusterfit.outputs import JobOutputs, Phase, read_heartbeats
 from clusterfit.outputs.logs import rotate
 from clusterfit.spec.model import OptimizerSpec
@@ -138,3 +139,45 @@ def test_heartbeat_file_ends_at_the_last_step_when_steps_come_faster_than_writes
         assert beat.images_per_s is not None and beat.images_per_s > 0
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+PEER_TRACEBACK = [
+    "[rank0] [rank0]: Traceback (most recent call last):",
+    '[rank0] [rank0]:   File "train.py", line 3, in step',
+    "[rank0] [rank0]:     loss.backward()",
+    "[rank0] [rank0]: RuntimeError: Connection reset by peer",
+]
+
+
+def test_a_traceback_is_held_until_its_rank_writes_on() -> None:
+    held = HeldTracebacks()
+    assert held.feed("[rank0] 12:00:01 step 1") == ["[rank0] 12:00:01 step 1"]
+    assert [line for raw in PEER_TRACEBACK for line in held.feed(raw)] == []
+    assert held.feed("[rank1] 12:00:02 step 2") == ["[rank1] 12:00:02 step 2"], "other ranks are not held up"
+    assert held.held_labels() == ["rank0"]
+    # The rank survived it (a caught, printed exception): the traceback is shown, in order, before the new line.
+    assert held.feed("[rank0] 12:00:03 step 3") == [*PEER_TRACEBACK, "[rank0] 12:00:03 step 3"]
+    assert held.held_labels() == []
+
+
+def test_a_chained_traceback_is_one_held_block_and_release_gives_it_back() -> None:
+    lines = [
+        "[rank1] Traceback (most recent call last):",
+        '[rank1]   File "a.py", line 1, in <module>',
+        "[rank1] KeyError: 'x'",
+        "[rank1] ",
+        "[rank1] During handling of the above exception, another exception occurred:",
+        "[rank1] ",
+        "[rank1] Traceback (most recent call last):",
+        '[rank1]   File "a.py", line 3, in <module>',
+        "[rank1] ValueError: bad",
+    ]
+    held = HeldTracebacks()
+    assert [line for raw in lines for line in held.feed(raw)] == []
+    assert held.release() == lines and held.held_labels() == []
+
+
+def test_a_hang_stack_dump_is_not_held() -> None:
+    held = HeldTracebacks()
+    dump = ["[rank0] Timeout (0:00:06)!", "[rank0] Thread 0x7f (most recent call first):", '[rank0]   File "x.py"']
+    assert [line for raw in dump for line in held.feed(raw)] == dump

@@ -116,21 +116,22 @@ def run(
         final = Supervisor(store, job.id, poll_s=0.2, on_tick=view.tick, log=say).run()
     schedule(store)  # the machine is free again for queued jobs
     if final.job_state is JobState.SUCCEEDED:
+        view.release_tracebacks()  # the job survived them: show them
         _print_result(spec, out)
         return
     if final.job_state is JobState.CANCELLED:
         errors.print(f"job {job.id} cancelled; every worker stopped")
         raise typer.Exit(130)
-    raise _fail(
-        "\n".join(
-            [
-                f"job {spec.name} ({job.id}) failed: {final.failure_cause.words if final.failure_cause else 'unknown'}",
-                *(final.cause_detail or "").splitlines(),
-                *([] if final.failure_cause is FailureCause.BAD_SPEC else [f"every rank's log is in {out.logs}"]),
-            ]
-        ),
-        1,
-    )
+    # The cause and the failing rank's own traceback tail lead; the peers' tracebacks that followed it and
+    # torchrun's report stay in the logs.
+    where = []
+    if final.failure_cause is not FailureCause.BAD_SPEC:
+        held = view.held_tracebacks()
+        not_shown = f" (not shown here: the tracebacks of {', '.join(held)})" if held else ""
+        where = [f"every rank's log is in {out.logs}, torchrun's report in {out.agent_log.name}{not_shown}"]
+    cause = final.failure_cause.words if final.failure_cause else "unknown"
+    detail = (final.cause_detail or "").splitlines()
+    raise _fail("\n".join([f"job {spec.name} ({job.id}) failed: {cause}", *detail, *where]), 1)
 
 
 def _print_result(spec: JobSpec, out: JobOutputs) -> None:

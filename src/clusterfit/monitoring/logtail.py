@@ -31,10 +31,12 @@ class LogFollower:
         from_start: bool = False,
         *,
         ranks: set[int] | None = None,
+        agent: bool = True,
         node_of: Callable[[int], str | None] | None = None,
     ) -> None:
         self.log_dir = log_dir
-        self.ranks = ranks  # None: every rank and the agent; else only these ranks
+        self.ranks = ranks  # None: every rank (and the agent, with `agent`); else only these ranks
+        self.agent = agent
         self.node_of = node_of  # rank -> host, to label lines "rank1@host" when known
         self._open: dict[str, _OpenLog] = {}
         if not from_start:  # skip what earlier runs wrote; rotation gives new files anyway
@@ -67,7 +69,7 @@ class LogFollower:
     def _current_files(self) -> dict[str, Path]:
         if not self.log_dir.is_dir():
             return {}
-        return {p.name: p for p in self.log_dir.iterdir() if is_followed_log(p.name, self.ranks)}
+        return {p.name: p for p in self.log_dir.iterdir() if is_followed_log(p.name, self.ranks, agent=self.agent)}
 
     def _label(self, name: str) -> str:
         return log_label(name, self.node_of)

@@ -1,5 +1,8 @@
 """Follow a running job from the launcher: every rank's labelled log lines, and a progress bar fed by
-rank 0's metrics.jsonl, both read from the outputs folder so it works the same for any engine."""
+rank 0's metrics.jsonl, both read from the outputs folder so it works the same for any engine.
+
+torchrun's own log (agent.log) is not shown: its messages are the agent's internals, and its report of a
+failure repeats the ranks' tracebacks; the job service reads it to name the cause, and it stays in logs/."""
 
 from __future__ import annotations
 
@@ -9,15 +12,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from clusterfit.monitoring.logtail import LogFollower
+from clusterfit.monitoring.tracebacks import HeldTracebacks
 from clusterfit.outputs import JobOutputs, MetricsTail, RecordKind
 
 
 class LiveView:
     """The foreground display of a running job: every rank's labelled log lines and a progress bar fed by
-    rank 0's metrics. Opened before the job starts, so it shows what this run writes and nothing older."""
+    rank 0's metrics. Opened before the job starts, so it shows what this run writes and nothing older.
+    Tracebacks are held back (see HeldTracebacks): after the job, `release_tracebacks()` shows them when it
+    succeeded, `held_tracebacks()` names the ranks whose tracebacks a failed job's console leaves out."""
 
     def __init__(self, outputs: JobOutputs, console: Console) -> None:
-        self.logs = LogFollower(outputs.logs)
+        self.logs = LogFollower(outputs.logs, agent=False)
+        self.tracebacks = HeldTracebacks()
         self.metrics = MetricsTail(outputs.metrics)
         columns = (
             TextColumn("[bold]{task.description}"),
@@ -40,9 +47,20 @@ class LiveView:
 
     def tick(self, final: bool = False) -> None:
         for line in self.logs.drain() if final else self.logs.poll():
-            self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            for shown in self.tracebacks.feed(line):
+                self._print(shown)
         for record in self.metrics.read_new():
             _update(self.bar, self.task, record)
+
+    def release_tracebacks(self) -> None:
+        for line in self.tracebacks.release():
+            self._print(line)
+
+    def held_tracebacks(self) -> list[str]:
+        return self.tracebacks.held_labels()
+
+    def _print(self, line: str) -> None:
+        self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _update(bar: Progress, task: Any, record: dict[str, Any]) -> None:

@@ -25,12 +25,12 @@ def rank_of_error_file(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def is_followed_log(name: str, ranks: set[int] | None) -> bool:
-    """Whether a follower shows this file: with `ranks` None every rank's current log and the agent's; else only
-    those ranks' logs."""
+def is_followed_log(name: str, ranks: set[int] | None, *, agent: bool = True) -> bool:
+    """Whether a follower shows this file: with `ranks` None every rank's current log (and the agent's, with
+    `agent`); else only those ranks' logs."""
     rank = rank_of_log(name)
     if ranks is None:
-        return rank is not None or name == AGENT_LOG
+        return rank is not None or (agent and name == AGENT_LOG)
     return rank is not None and rank in ranks
 
 

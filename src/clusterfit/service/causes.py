@@ -110,9 +110,13 @@ def classify(evidence: Evidence) -> Failure:
     if failed:
         rank, code = next(iter(failed.items()))
         return Failure(FailureCause.EXIT_CODE, f"rank {rank} exited with code {code}", _last(evidence, rank))
+    # No rank failed: the agent itself did (a rendezvous that never formed, a worker that could not start).
+    agent_tail = "\n".join([line for line in evidence.agent_tail if line.strip()][-_TRACEBACK_LINES:])
     if evidence.exit_code is not None and evidence.exit_code < 0:
-        return Failure(FailureCause.SIGNAL, f"the job's agent was killed by {_signal_name(-evidence.exit_code)}")
-    return Failure(FailureCause.EXIT_CODE, f"the job exited with code {evidence.exit_code}")
+        return Failure(
+            FailureCause.SIGNAL, f"the job's agent was killed by {_signal_name(-evidence.exit_code)}", agent_tail
+        )
+    return Failure(FailureCause.EXIT_CODE, f"the job exited with code {evidence.exit_code}", agent_tail)
 
 
 def _out_of_shared_memory(lines: tuple[str, ...]) -> bool:

@@ -2,18 +2,20 @@
 
 `CLUSTERFIT_FAULT=KIND:rank=R:step=S[:attempt=A]` in a worker's environment (through the spec's
 `environment_variables`) makes rank R, after training step S (of attempt A only, when given), do KIND:
-`raise` an exception, `hang` forever (sleeping, as a deadlocked rank would), `exit` with code 3, or `oom`: take
-memory until the kernel's OOM killer stops the process (run it under a memory limit, e.g. a container's)."""
+`raise` an exception, `hang` forever (sleeping, as a deadlocked rank would), `exit` with code 3, `kill` itself with
+SIGKILL (as another process would), or `oom`: take memory until the kernel's OOM killer stops the process (run
+it under a memory limit, e.g. a container's)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 
 from clusterfit.outputs import ATTEMPT_ENV, FAULT_ENV
 
-_KINDS = ("raise", "hang", "exit", "oom")
+_KINDS = ("raise", "hang", "exit", "kill", "oom")
 _OOM_CHUNK_BYTES = 64 << 20
 
 
@@ -46,6 +48,8 @@ class Fault:
             raise InjectedFault(f"injected failure on rank {rank} after step {step}")
         if self.kind == "exit":
             os._exit(3)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         if self.kind == "oom":
             held = []
             while True:  # filled bytes, so every page is really resident (zeroed allocations may not be)
