@@ -2,7 +2,8 @@
 
 `make services` (this file run as a script; `make test` runs it first) installs what is missing from Debian's
 packages when it runs as root with apt-get; where it cannot, it prints one line naming what is missing and
-which tests skip. The tests ask `skip_reason` and skip with a line naming the missing program.
+which tests skip (and, when not root, the tests that need root). The tests ask `skip_reason` and skip with a
+line naming the missing program.
 Standard library only: it runs before the virtual environment exists, and costs milliseconds when all is there.
 
     python3 tests/services.py            # install what is missing (root + apt-get), else say what skips
@@ -20,29 +21,30 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Service:
-    name: str
     programs: dict[str, str]  # program -> the Debian package that provides it
     skipped: str  # the tests that skip without it
-    needs_root: bool = False
+    needs_root: str = ""  # why its tests need root, if they do
 
 
 SERVICES = {
     "azurite": Service(
-        "Azurite (Node.js)",
         {"node": "nodejs", "npm": "npm"},
         "tests/test_staging.py and the staging benchmark's test",
     ),
     "postgresql": Service(
-        "PostgreSQL",
         {"initdb": "postgresql"},
         "the PostgreSQL cases of tests/test_service_store.py and tests/test_service_api.py",
     ),
-    "chromium": Service("Chromium", {"chromium": "chromium"}, "tests/test_dashboard.py"),
+    "chromium": Service({"chromium": "chromium"}, "tests/test_dashboard.py"),
     "slurm": Service(
-        "Slurm",
         {"munged": "munge", "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm"},
         "the cluster tests of tests/test_slurm.py",
-        needs_root=True,  # the daemons run as root and switch users for jobs
+        needs_root="the Slurm daemons run as root and switch users for jobs",
+    ),
+    "confinement": Service(  # nothing to install: tests/confinement.py needs root only
+        {},
+        "the OOM-kill and full-/dev/shm tests of tests/test_service_jobs.py",
+        needs_root="a memory cgroup and a private /dev/shm need root",
     ),
 }
 
@@ -71,7 +73,7 @@ def skip_reason(key: str) -> str | None:
         packages = " ".join(dict.fromkeys(service.programs[p] for p in missing))
         return f"needs {', '.join(missing)}, not found (as root, `make services` installs {packages})"
     if service.needs_root and os.geteuid() != 0:
-        return f"the {service.name} daemons must run as root"
+        return service.needs_root
     return None
 
 
