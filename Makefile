@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` and `make test`. Both create .venv on first use.
+# The two commands of the README: `make demo` and `make test`. Both create .venv on first use;
+# `make test` first runs `make services`, which installs the system programs the tests' real services need.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 # On a GPU machine run `make demo DEMO_ARGS=` to train the example as written.
 DEMO_ARGS ?= --set trainer.data.image_size=96 --set trainer.batch_size=16 --set trainer.steps_per_epoch=12 --set trainer.epochs=2
 
-.PHONY: demo test venv clean
+.PHONY: demo test services venv clean
 
 venv: $(STAMP)
 
@@ -20,7 +21,12 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/clusterfit run examples/resnet50-synthetic.yaml $(DEMO_ARGS)
 
-test: $(STAMP)
+# Installs what is missing (root + apt-get), else prints one line naming it and the tests that skip; silent
+# and fast when everything is there.
+services:
+	@$(PYTHON) tests/services.py
+
+test: $(STAMP) services
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -148,13 +148,14 @@ def service_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
 
 @pytest.fixture(scope="session")
 def postgres_server():  # noqa: ANN201
-    """A real PostgreSQL cluster on loopback for the whole session (Debian's postgresql; .ci/run installs it)."""
+    """A real PostgreSQL cluster on loopback for the whole session (Debian's postgresql; `make services`)."""
     from postgres import PostgresServer, postgres_bin
+    from services import skip_reason
 
-    bin_dir = postgres_bin()
-    if bin_dir is None:
-        pytest.skip("PostgreSQL server binaries not found under /usr/lib/postgresql (apt-get install postgresql)")
-    server = PostgresServer(bin_dir)
+    reason = skip_reason("postgresql")
+    if reason is not None:
+        pytest.skip(reason)
+    server = PostgresServer(postgres_bin())
     server.start()
     yield server
     server.stop()

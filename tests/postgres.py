@@ -16,12 +16,13 @@ import time
 import uuid
 from pathlib import Path
 
+from services import find
+
 
 def postgres_bin() -> Path | None:
     """The newest installed server's bin folder, e.g. /usr/lib/postgresql/15/bin."""
-    root = Path("/usr/lib/postgresql")
-    found = sorted(root.glob("*/bin/initdb"), key=lambda p: int(p.parent.parent.name)) if root.is_dir() else []
-    return found[-1].parent if found else None
+    initdb = find("initdb")
+    return Path(initdb).parent if initdb else None
 
 
 def free_port() -> int:

@@ -5,34 +5,18 @@ and log file in a temp folder. The daemons run as root (they switch users for jo
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-DAEMONS = ("munged", "slurmctld", "slurmd")
-PACKAGES = ("slurm-wlm", "munge")
+from services import find, skip_reason
 
 
 def missing_reason() -> str | None:
-    """Why a Slurm cluster cannot run here, or None. CI installs the packages (.ci/run); elsewhere the tests
-    install them when running as root with apt-get available."""
-    if all(shutil.which(name) or Path("/usr/sbin", name).exists() for name in DAEMONS):
-        return None if os.geteuid() == 0 else "the Slurm daemons must run as root"
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return "slurm-wlm and munge are not installed and cannot be (needs root and apt-get)"
-    subprocess.run(["apt-get", "update", "-qq"], capture_output=True)
-    install = subprocess.run(
-        ["apt-get", "install", "-y", "-qq", *PACKAGES],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
-    )
-    if install.returncode != 0:
-        return f"apt-get install {' '.join(PACKAGES)} failed: {install.stderr.strip()[-300:]}"
-    return None
+    """Why a Slurm cluster cannot run here, or None (`make services` installs the packages when it can)."""
+    return skip_reason("slurm")
 
 
 def _free_port() -> int:
@@ -42,7 +26,7 @@ def _free_port() -> int:
 
 
 def _daemon(name: str) -> str:
-    return shutil.which(name) or str(Path("/usr/sbin", name))
+    return find(name) or name
 
 
 class SlurmCluster:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from conftest import REPO, run_cli
+from services import skip_reason
 
 
 def test_bench_data_runs_the_three_pipelines_side_by_side() -> None:
@@ -28,6 +29,7 @@ def test_bench_data_refuses_fewer_images_than_a_batch() -> None:
     assert result.stderr.strip().splitlines() == ["error: --images 1: fewer than one batch of 2; raise --images"]
 
 
+@pytest.mark.skipif(bool(skip_reason("azurite")), reason=str(skip_reason("azurite")))
 def test_staging_benchmark_script_against_azurite() -> None:
     result = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "staging.py"), "--files", "3", "--file-kb", "4", "--workers", "2"],

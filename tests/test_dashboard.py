@@ -15,10 +15,11 @@ import pytest
 import yaml
 from conftest import tiny_job
 from service_server import ServerProcess, cancel_active_jobs, client, make_token
+from services import find, skip_reason
 
 from clusterfit.service.migrate import open_store
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM = find("chromium")
 LAUNCH_FLAGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -30,9 +31,7 @@ LAUNCH_FLAGS = [
 ]
 LOSS_COLOUR = (0x1F, 0x6F, 0xD1)  # LINE_COLOURS.loss in dashboard/app.js
 
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(), reason="needs Debian's chromium (apt-get install chromium)"
-)
+pytestmark = pytest.mark.skipif(CHROMIUM is None, reason=str(skip_reason("chromium")))
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ import torch
 from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 from azurite import ACCOUNT, KEY, Azurite
 from conftest import cli_command, one_image_per_class, tiny_job, write_job
+from services import skip_reason
 from torch.utils.data import DataLoader
 
 from clusterfit.data.shardreader import ShardTrainSamples, as_is
@@ -27,6 +28,9 @@ CONTAINER = "data"
 
 @pytest.fixture(scope="module")
 def azurite(tmp_path_factory: pytest.TempPathFactory):
+    reason = skip_reason("azurite")
+    if reason is not None:
+        pytest.skip(reason)
     server = Azurite(tmp_path_factory.mktemp("azurite"))
     server.start()
     BlobServiceClient.from_connection_string(server.connection_string()).create_container(CONTAINER)
