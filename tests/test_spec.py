@@ -9,6 +9,7 @@ import pytest
 import yaml
 from conftest import REPO, run_cli, tiny_job, write_job
 
+from clusterfit.errors import DataError
 from clusterfit.launch import preflight
 from clusterfit.spec import SpecError, apply_override, load_spec, validate_spec
 
@@ -132,17 +133,17 @@ def test_val_equal_to_train_is_refused(tmp_path: Path, tiny_imagefolder: Path) -
 
 
 @pytest.mark.parametrize(
-    ("layout", "message"),
+    ("layout", "error", "message"),
     [
-        ("missing", "trainer.data.train = '{root}': no such folder"),
-        ("empty", "trainer.data.train = '{root}': has no class subfolders"),
-        ("no_images", "trainer.data.train = '{root}': its class folders hold no images"),
-        ("parent", "holds a train/ folder; point trainer.data.train at {root}/train"),
-        ("file", "trainer.data.train = '{root}': is a file"),
+        ("missing", DataError, "trainer.data.train = '{root}': no such folder"),
+        ("empty", DataError, "trainer.data.train = '{root}': has no class subfolders"),
+        ("no_images", DataError, "trainer.data.train = '{root}': its class folders hold no images"),
+        ("parent", SpecError, "holds a train/ folder; point trainer.data.train at {root}/train"),
+        ("file", DataError, "trainer.data.train = '{root}': is a file"),
     ],
 )
 def test_bad_data_folder_is_refused_before_launch(
-    tmp_path: Path, tiny_imagefolder: Path, layout: str, message: str
+    tmp_path: Path, tiny_imagefolder: Path, layout: str, error: type[Exception], message: str
 ) -> None:
     root = {
         "missing": tmp_path / "nope",
@@ -159,9 +160,10 @@ def test_bad_data_folder_is_refused_before_launch(
     if layout == "file":
         root.write_text("x")
     raw = tiny_job(tmp_path / "out", data={"train": str(root), "image_size": 32, "num_classes": None})
-    with pytest.raises(SpecError) as caught:
+    with pytest.raises(error) as caught:
         preflight(validate_spec(raw))
     assert message.format(root=root) in str(caught.value)
+    assert not caught.value.retryable  # the same data fails the same way on every attempt
 
 
 def test_too_little_data_for_one_global_batch(tmp_path: Path, tiny_imagefolder: Path) -> None:

@@ -16,7 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from clusterfit.spec import JobSpec, SpecError, load_spec
+from clusterfit.errors import ClusterfitError
+from clusterfit.spec import JobSpec, load_spec
 
 app = typer.Typer(
     help="Distributed training of image classifiers from one job spec.",
@@ -64,7 +65,7 @@ def _load(spec_file: Path, overrides: list[str] | None, backend: str | None = No
         from clusterfit.launch import preflight  # imports torch: only once the spec itself is valid
 
         preflight(spec)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     return spec
 
@@ -91,7 +92,7 @@ def run(
     if dry_run:
         try:
             rendered = backend.dry_run(spec)
-        except SpecError as exc:  # what only the engine checks (Ray: CPUs to reserve per process)
+        except ClusterfitError as exc:  # what only the engine checks (Ray: CPUs to reserve per process)
             raise _fail(str(exc)) from None
         for path, content in rendered.files.items():
             console.print(f"# {path}", markup=False)
@@ -527,7 +528,7 @@ def data_pack(
     try:
         size = parse_size(shard_size)
         report = pack_folder(src, dst, shard_size=size, max_side=max_side)
-    except (SpecError, ValueError) as exc:
+    except (ClusterfitError, ValueError) as exc:
         raise _fail(str(exc)) from None
     for file, reason in report.skipped:
         errors.print(f"skipped {file}: {reason}", markup=False, highlight=False, soft_wrap=True)
@@ -557,7 +558,7 @@ def data_stage(
     creds = Credentials(account_name=account_name, endpoint=endpoint, sas_token=token or None)
     try:
         report = stage(url, cache_dir, creds, workers=workers)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc), 1) from None
     console.print(describe(report), markup=False, soft_wrap=True)
 
@@ -580,7 +581,7 @@ def bench_data(
     try:
         config = DataBenchConfig(images=images, batch_size=batch_size, image_size=image_size, max_side=max_side)
         report = run_data_bench(config)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     console.print(report.markdown(), markup=False, soft_wrap=True)
 
@@ -619,7 +620,7 @@ def bench_train(
             cores_per_rank=cores_per_rank,
         )
         report = run_train_bench(config, out)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     console.print(report.markdown(), markup=False, soft_wrap=True)
     console.print(f"results: {out / RESULTS_JSON}  chart: {out / RESULTS_PNG}", markup=False)
@@ -656,7 +657,7 @@ def bench_ckpt(
             directory=directory,
         )
         report = run_ckpt_bench(config, out)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     console.print(report.markdown(), markup=False, soft_wrap=True)
     console.print(f"async stall / sync stall: {report.stall_ratio:.3f}  results: {out / RESULTS_JSON}", markup=False)
@@ -700,7 +701,7 @@ def bench_comm(
             **settings,
         )
         report = run_comm_bench(config, out)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     console.print(report.markdown(), markup=False, soft_wrap=True)
     console.print(f"results: {out / RESULTS_JSON}", markup=False)
@@ -727,7 +728,7 @@ def bench_peak(
     console.print(machine_description(device), markup=False)
     try:
         results = [measure_matmul(name.strip(), size, repeats, device) for name in dtypes.split(",") if name.strip()]
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     for result in results:
         line = f"{result.dtype} matmul {result.size}x{result.size}: {result.tflops * 1000:.1f} GFLOP/s"

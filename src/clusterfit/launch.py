@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from clusterfit.data.folders import inspect_data, steps_per_epoch
-from clusterfit.spec.errors import SpecError
+from clusterfit.errors import SpecError
 from clusterfit.spec.model import JobSpec
 from clusterfit.worker.manifest import CHECKPOINT_DIR, published, read_manifest
 
 
 def preflight(spec: JobSpec) -> None:
-    """Raise SpecError for data that is missing or too small, and for outputs holding another job's checkpoints."""
+    """Raise DataError for data that is missing or unusable, SpecError for too little data for one step and for
+    outputs holding another job's checkpoints."""
     if spec.resources.backend == "kubernetes":
         return  # paths name places inside the pods (image, mounted claims), not on this machine
     if spec.trainer is None:
