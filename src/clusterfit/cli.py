@@ -103,7 +103,7 @@ def run(
     from clusterfit.monitoring.progress import LiveView
     from clusterfit.service.records import record_job
     from clusterfit.service.scheduler import schedule
-    from clusterfit.service.states import FailureCause, JobState
+    from clusterfit.service.states import JobState
     from clusterfit.service.supervisor import Supervisor
 
     store = _store()
@@ -121,12 +121,13 @@ def run(
     if final.job_state is JobState.CANCELLED:
         errors.print(f"job {job.id} cancelled; every worker stopped")
         raise typer.Exit(130)
+    cause = final.failure_cause
     raise _fail(
         "\n".join(
             [
-                f"job {spec.name} ({job.id}) failed: {final.failure_cause.words if final.failure_cause else 'unknown'}",
+                f"job {spec.name} ({job.id}) failed: {cause.words if cause else 'unknown'}",
                 *(final.cause_detail or "").splitlines(),
-                *([] if final.failure_cause is FailureCause.BAD_SPEC else [f"every rank's log is in {out / 'logs'}"]),
+                *([] if cause and cause.before_any_worker else [f"every rank's log is in {out / 'logs'}"]),
             ]
         ),
         1,
