@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import signal
 import subprocess
@@ -27,6 +28,18 @@ from clusterfit.monitoring.logtail import AGENT_LOG, LOG_DIR
 from clusterfit.spec.model import JobSpec
 
 _CANCEL_GRACE_S = 20.0
+
+
+def local_gpu_count() -> int:
+    """GPUs this machine's workers can use, known without importing torch: those CUDA_VISIBLE_DEVICES names
+    when it is set, else every GPU the NVIDIA driver lists (none without a driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        # CUDA reads the list up to its first invalid entry: "" and "-1" hide every GPU.
+        names = [name.strip() for name in visible.split(",")]
+        return len(list(itertools.takewhile(lambda name: name and not name.startswith("-"), names)))
+    driver = Path("/proc/driver/nvidia/gpus")
+    return len(list(driver.iterdir())) if driver.is_dir() else 0
 
 
 class LocalBackend:
