@@ -283,3 +283,12 @@ def test_gpus_of_a_remote_engines_nodes_are_not_judged_by_this_machine(
     job = tiny_job(tmp_path / "out", precision="fp16")
     job["resources"].update({"backend": "slurm", "gpus_per_instance": 4})
     assert _validate(job, tmp_path) == [f"{tmp_path / 'job.yaml'}: ok (resnet_tiny, 2 worker(s), backend slurm)"]
+
+
+def test_an_outputs_url_is_refused_until_remote_outputs_exist(tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "out")
+    job["outputs"]["dir"] = "az://c/x"
+    assert _validate(job, tmp_path) == [
+        f"error: {tmp_path / 'job.yaml'}: outputs.dir = 'az://c/x': URLs are not supported yet; give a folder every "
+        "node sees (a shared filesystem)"
+    ]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterfit.errors import DataError
-from clusterfit.spec.model import JobSpec, StorageSpec
+from clusterfit.spec.model import JobSpec, StorageSpec, is_url
 from clusterfit.storage.checksums import sha256_of
 
 MANIFEST = "manifest.json"
@@ -71,10 +71,6 @@ class StageReport:
     @property
     def mb_per_s(self) -> float:
         return self.copied_bytes / 1e6 / max(self.seconds, 1e-9)
-
-
-def is_url(path: str) -> bool:
-    return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
 
 
 def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
