@@ -296,7 +296,9 @@ def _diagnose(exc: BaseException, creds: Credentials) -> _StorageProblem:
             unreachable=False,
         )
     if "authorizationpermissionmismatch" in lowered or "403" in lowered or "permission" in lowered:
-        return _StorageProblem("access denied: these credentials may not do this (a read-only SAS token?)", False)
+        return _StorageProblem(
+            "access denied: these credentials may not do this (a read-only SAS token?)", unreachable=False
+        )
     if "connect" in lowered or "timeout" in lowered or "timed out" in lowered:
         return _StorageProblem(f"cannot reach the storage service ({name})", unreachable=True)
     if isinstance(exc, FileNotFoundError) or "notfound" in lowered.replace(" ", "") or "does not exist" in lowered:
