@@ -60,10 +60,26 @@ class SlurmCluster:
         )
         self._wait_for(lambda: self.munge_socket.exists(), "munged")
         self.conf.write_text(self._config())
-        self._spawn(_daemon("slurmctld"), "-D", "-f", str(self.conf))
+        self._spawn(*self._controller_command)
         self._wait_for(self._controller_answers, "slurmctld")
         self._spawn(_daemon("slurmd"), "-D", "-N", "localhost", "-f", str(self.conf))
         self._wait_for(self._node_idle, "slurmd")
+
+    def stop_controller(self) -> None:
+        """Stop slurmctld alone, as an outage would: it saves its state, slurmd keeps running, and clients get
+        "Unable to contact slurm controller" until `start_controller`."""
+        controller = self._controller()
+        if controller.poll() is None:
+            controller.send_signal(signal.SIGTERM)
+            controller.wait(30)
+
+    def start_controller(self) -> None:
+        """Start slurmctld again (nothing to do while it runs); returns once it answers and the node is idle."""
+        if self._controller().poll() is None:
+            return
+        self.processes[self.processes.index(self._controller())] = self._popen(*self._controller_command)
+        self._wait_for(self._controller_answers, "slurmctld")
+        self._wait_for(self._node_idle, "slurmd to register with the new slurmctld")
 
     def stop(self) -> None:
         # Jobs first: a job step's processes outlive slurmd, so stopping the daemons alone would leave them.
@@ -123,17 +139,25 @@ class SlurmCluster:
             ]
         )
 
+    @property
+    def _controller_command(self) -> tuple[str, ...]:
+        return (_daemon("slurmctld"), "-D", "-f", str(self.conf))
+
+    def _controller(self) -> subprocess.Popen[bytes]:
+        return next(p for p in self.processes if Path(p.args[0]).name == "slurmctld")
+
     def _spawn(self, *command: str) -> None:
+        self.processes.append(self._popen(*command))
+
+    def _popen(self, *command: str) -> subprocess.Popen[bytes]:
         log = open(self.root / "log" / f"{Path(command[0]).name}.out", "ab")  # noqa: SIM115 - lives with the daemon
-        self.processes.append(
-            subprocess.Popen(
-                command,
-                env={**os.environ, **self.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        return subprocess.Popen(
+            command,
+            env={**os.environ, **self.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
         )
 
     def _controller_answers(self) -> bool:

@@ -1,12 +1,14 @@
 """The Kubernetes engine's rendering: compared to its expected text, validated against the published PyTorchJob
 CRD schema (jsonschema) and, for the pod and the ConfigMap, against the official `kubernetes` client's models.
-No cluster runs here; submission is checked only for its error without a kubeconfig."""
+No cluster runs here; submission is checked only for its errors: without a kubeconfig, and with one
+naming a server that does not answer."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -168,3 +170,34 @@ def test_dry_run_prints_the_manifests_and_submit_without_kubeconfig_is_refused_i
     )
     assert result.returncode == 1
     assert "no usable kubeconfig" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_an_api_server_that_does_not_answer_is_unavailable_and_retried_after_a_pause(tmp_path: Path) -> None:
+    """A real connection refused (a kubeconfig naming a closed port): the job waits and tries once more."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        server = f"https://127.0.0.1:{closed.getsockname()[1]}"
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "gone", "cluster": {"server": server, "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "me", "user": {"token": "t"}}],
+        "contexts": [{"name": "gone", "context": {"cluster": "gone", "user": "me"}}],
+        "current-context": "gone",
+    }
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(kubeconfig))
+    job = tiny_job(tmp_path / "out")
+    job["resources"]["backend"] = "kubernetes"
+    job["limits"] = {"max_retries": 1}
+    env = {**os.environ, "KUBECONFIG": str(tmp_path / "kubeconfig")}
+    result = subprocess.run(
+        cli_command("run", str(write_job(tmp_path / "job.yaml", job))), env=env, capture_output=True, text=True
+    )
+    assert result.returncode == 1, result.stderr
+    unreachable = (
+        f"kubernetes: cannot reach the Kubernetes API server at {server} ([Errno 111] Connection refused); check "
+        "the cluster in your kubeconfig; with limits.max_retries the job is submitted again after a pause"
+    )
+    assert f"{unreachable}. attempt 1 of 2 failed; retrying from the last checkpoint in 5 s" in result.stdout
+    first, *rest = result.stderr.strip().splitlines()
+    assert first.endswith("failed: the engine or data store was unavailable") and rest == [f"error: {unreachable}"]

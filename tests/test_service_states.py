@@ -1,14 +1,21 @@
-"""The job service's pure decisions: state transitions, retries, and failure causes from evidence."""
+"""The job service's pure decisions: state transitions, retries, and failure causes from evidence or errors."""
 
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
+from conftest import tiny_job
 
+from clusterfit.backends.kubernetes import api_refusal
+from clusterfit.backends.slurm import sbatch_refusal
+from clusterfit.data.staging import StagingError
+from clusterfit.errors import ClusterfitError, DataError, EngineError, SpecError
 from clusterfit.outputs import JobOutputs
-from clusterfit.service.causes import Evidence, RankException, classify, gather_evidence
+from clusterfit.service.causes import Evidence, RankException, classify, failure_for_error, gather_evidence
+from clusterfit.service.outputs_claim import OutputsInUse
 from clusterfit.service.states import (
     Decision,
     FailureCause,
@@ -17,6 +24,7 @@ from clusterfit.service.states import (
     check_transition,
     decide_after_failure,
 )
+from clusterfit.spec import JobSpec, validate_spec
 
 Q, ST, R, RT, OK, F, C = (
     JobState.QUEUED,
@@ -62,10 +70,160 @@ def test_terminal_and_active_states() -> None:
         (FailureCause.NODE_LOST, 3, 2, Decision.FAIL),
         (FailureCause.CANCELLED, 1, 5, Decision.FAIL),
         (FailureCause.BAD_SPEC, 1, 5, Decision.FAIL),
+        (FailureCause.ENGINE, 1, 5, Decision.FAIL),
+        (FailureCause.UNAVAILABLE, 1, 0, Decision.FAIL),
+        (FailureCause.UNAVAILABLE, 1, 1, Decision.RETRY),
+        (FailureCause.UNAVAILABLE, 2, 1, Decision.FAIL),
     ],
 )
 def test_retry_decisions(cause: FailureCause, attempt: int, max_retries: int, decision: Decision) -> None:
     assert decide_after_failure(cause, attempt, max_retries).decision is decision
+
+
+@pytest.mark.parametrize(
+    ("cause", "attempt", "pause_s"),
+    [
+        (FailureCause.UNAVAILABLE, 1, 5.0),
+        (FailureCause.UNAVAILABLE, 2, 10.0),
+        (FailureCause.UNAVAILABLE, 9, 30.0),  # the longest pause
+        (FailureCause.EXCEPTION, 1, 0.0),
+        (FailureCause.NODE_LOST, 2, 0.0),
+    ],
+)
+def test_only_an_unavailable_engine_or_store_is_waited_for_before_the_next_attempt(
+    cause: FailureCause, attempt: int, pause_s: float
+) -> None:
+    decision = decide_after_failure(cause, attempt, max_retries=10)
+    assert decision.decision is Decision.RETRY and decision.pause_s == pause_s
+    assert decision.reason.endswith(f"retrying from the last checkpoint in {pause_s:g} s" if pause_s else "checkpoint")
+
+
+def _slurm_spec() -> JobSpec:
+    job = tiny_job(Path("/shared/runs/tiny"))
+    job["resources"] = {"backend": "slurm", "slurm": {"partition": "nope"}}
+    return validate_spec(job)
+
+
+def _sbatch(message: str) -> EngineError:
+    return sbatch_refusal(f"sbatch: error: Batch job submission failed: {message}\n", _slurm_spec())
+
+
+ERRORS = [
+    pytest.param(SpecError("job.yaml: trainer.epochs = 0: ..."), FailureCause.BAD_SPEC, Decision.FAIL, id="spec"),
+    pytest.param(
+        OutputsInUse("outputs.dir /x is in use by job a1"), FailureCause.BAD_SPEC, Decision.FAIL, id="outputs"
+    ),
+    pytest.param(
+        DataError("trainer.data.train = '/d': no such folder", retryable=False),
+        FailureCause.BAD_SPEC,
+        Decision.FAIL,
+        id="data-missing",
+    ),
+    pytest.param(
+        StagingError("trainer.data.train = 'az://c/d': cannot reach the storage service", retryable=True),
+        FailureCause.UNAVAILABLE,
+        Decision.RETRY,
+        id="store-unreachable",
+    ),
+    pytest.param(
+        _sbatch("Unable to contact slurm controller (connect failure)"),
+        FailureCause.UNAVAILABLE,
+        Decision.RETRY,
+        id="slurm-controller-down",
+    ),
+    pytest.param(
+        _sbatch("Socket timed out on send/recv operation"), FailureCause.UNAVAILABLE, Decision.RETRY, id="slurm-timeout"
+    ),
+    pytest.param(
+        _sbatch("Slurm temporarily unable to accept job, sleeping and retrying"),
+        FailureCause.UNAVAILABLE,
+        Decision.RETRY,
+        id="slurm-busy",
+    ),
+    pytest.param(
+        _sbatch("Invalid partition name specified"), FailureCause.ENGINE, Decision.FAIL, id="slurm-bad-partition"
+    ),
+    pytest.param(
+        _sbatch("Invalid account or account/partition combination specified"),
+        FailureCause.ENGINE,
+        Decision.FAIL,
+        id="slurm-bad-account",
+    ),
+    pytest.param(
+        api_refusal(503, "Service Unavailable", "", "tiny", "default"),
+        FailureCause.UNAVAILABLE,
+        Decision.RETRY,
+        id="k8s-503",
+    ),
+    pytest.param(
+        api_refusal(429, "Too Many Requests", "", "tiny", "default"),
+        FailureCause.UNAVAILABLE,
+        Decision.RETRY,
+        id="k8s-429",
+    ),
+    pytest.param(
+        api_refusal(422, "Unprocessable Entity", '{"message": "spec.x: Invalid value"}', "tiny", "default"),
+        FailureCause.ENGINE,
+        Decision.FAIL,
+        id="k8s-422",
+    ),
+    pytest.param(api_refusal(403, "Forbidden", "", "tiny", "team-a"), FailureCause.ENGINE, Decision.FAIL, id="k8s-403"),
+    pytest.param(
+        EngineError("resources.ray_address = 'head:6379': no Ray cluster answers there", retryable=True),
+        FailureCause.UNAVAILABLE,
+        Decision.RETRY,
+        id="ray-unreachable",
+    ),
+    pytest.param(FileNotFoundError(2, "No such file"), FailureCause.ENGINE, Decision.FAIL, id="unforeseen"),
+]
+
+
+@pytest.mark.parametrize(("error", "cause", "decision"), ERRORS)
+def test_an_error_before_any_worker_maps_to_its_cause_and_retry_decision(
+    error: Exception, cause: FailureCause, decision: Decision
+) -> None:
+    failure = failure_for_error(error)
+    assert failure.cause is cause and cause.before_any_worker
+    assert failure.summary == str(error) and "\n" not in failure.summary
+    assert decide_after_failure(failure.cause, attempt=1, max_retries=3).decision is decision
+
+
+def test_an_engines_error_is_named_after_the_engine_but_a_spec_mistake_is_not() -> None:
+    engine = EngineError("sbatch refused the job (x)", retryable=False)
+    assert failure_for_error(engine, "slurm").summary == "slurm: sbatch refused the job (x)"
+    assert failure_for_error(SpecError("environment_variables.X = 'y': ..."), "ray").summary.startswith("environment")
+
+
+def test_one_line_with_the_fix_for_engine_refusals() -> None:
+    assert str(_sbatch("Invalid partition name specified")) == (
+        "resources.slurm.partition = 'nope': sbatch refused it (Invalid partition name specified); "
+        "give a partition that sinfo lists, or null for the cluster's default"
+    )
+    assert str(api_refusal(422, "Unprocessable Entity", '{"message": "spec.x:\\n  Invalid"}', "tiny", "ns")) == (
+        "the Kubernetes API refused the job (422 Unprocessable Entity: spec.x: Invalid); check resources.kubernetes "
+        "against the manifests `clusterfit run --dry-run` prints"
+    )
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        SpecError("bad"),
+        EngineError("busy", retryable=True),
+        DataError("gone", retryable=False),
+        StagingError("unreachable", retryable=True),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_an_error_keeps_its_type_and_retry_decision_across_processes(error: ClusterfitError) -> None:
+    """Errors are pickled between processes (a Ray actor's error reaches the launcher)."""
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), str(copy), copy.retryable) == (type(error), str(error), error.retryable)
+
+
+def test_a_spec_mistake_is_still_a_value_error_and_never_retryable() -> None:
+    assert isinstance(SpecError("x"), ValueError)  # callers that catch ValueError keep catching it
+    assert SpecError("x").retryable is False
 
 
 def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> RankException:

@@ -17,8 +17,9 @@ from torch.utils.data import DataLoader
 from clusterfit.data.shardreader import ShardTrainSamples, as_is, consumed_per_role, delivery_order
 from clusterfit.data.shards import INDEX, iter_samples, pack_folder, parse_size, read_index
 from clusterfit.data.transforms import CenterCrop, TrainCrop
+from clusterfit.errors import DataError
 from clusterfit.launch import preflight
-from clusterfit.spec import SpecError, validate_spec
+from clusterfit.spec import validate_spec
 
 
 def _train_samples(packed: Path, rank: int, **kw: int) -> ShardTrainSamples:
@@ -91,7 +92,7 @@ def test_shard_member_escaping_the_folder_is_refused_before_training(tmp_path: P
     index["shards"] = [{"name": shard.name, "samples": 1, "bytes": shard.stat().st_size, "sha256": "-"}]
     (evil / INDEX).write_text(json.dumps(index))
     raw = tiny_job(tmp_path / "out", data={"train": str(evil), "image_size": 16, "num_classes": None})
-    with pytest.raises(SpecError) as caught:
+    with pytest.raises(DataError) as caught:
         preflight(validate_spec(raw))
     assert str(caught.value) == (
         f"trainer.data.train = '{evil}': shard-000000.tar: member '../../escape.cls' has a "

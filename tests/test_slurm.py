@@ -8,14 +8,16 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli_command, exported_weights, run_cli, tiny_job, write_job
+from conftest import REPO, cli_command, exported_weights, run_cli, tiny_job, wait_for, write_job
 from slurm_cluster import SlurmCluster, missing_reason
 from test_command_jobs import command_job, rank_logs, user_code
 
-from clusterfit.backends.slurm import sbatch_script
+from clusterfit.backends.slurm import SCRIPT, sbatch_script
+from clusterfit.service.migrate import open_store
 from clusterfit.spec import validate_spec
 
 EXPECTED = REPO / "tests" / "data" / "slurm"
@@ -172,3 +174,67 @@ def test_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: Sl
     stopped = [p.name for p in (out / "checkpoints").iterdir()]
     assert "step-00000040" in stopped and len(stopped) == 2, stopped  # the requested one, and the end
     assert exported_weights(out)
+
+
+@contextmanager
+def _controller_down(slurm: SlurmCluster) -> Iterator[None]:
+    slurm.stop_controller()
+    try:
+        yield
+    finally:
+        slurm.start_controller()  # whatever happened: the other tests of the session need the controller
+
+
+def _job_history(job_id: str) -> list[tuple[str, str]]:
+    return [(event.state, event.message) for event in open_store().events(job_id)]
+
+
+def test_a_controller_outage_at_submission_is_retried_and_the_job_succeeds(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """sbatch cannot reach slurmctld: the attempt fails as UNAVAILABLE, the job waits and is submitted again once
+    the controller is back, and trains to its exported model."""
+    out = tmp_path / "out"
+    job = tiny_job(out)
+    job["resources"]["backend"] = "slurm"
+    job["limits"] = {"max_retries": 2}
+    with _controller_down(slurm):
+        launcher = _launch(write_job(tmp_path / "job.yaml", job), tmp_path)
+        try:
+            wait_for(lambda: (out / SCRIPT).exists(), 120, "the first attempt to call sbatch")  # the job is recorded
+            (job_id,) = [row.id for row in open_store().list_jobs()]
+            wait_for(lambda: open_store().get(job_id).state == "RETRYING", 120, "sbatch to fail and the job to wait")
+        except BaseException:
+            launcher.kill()
+            raise
+    try:
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output[-3000:]
+    history = _job_history(job_id)
+    states = [state for state, _ in history]
+    assert states[:3] == ["QUEUED", "STAGING", "RETRYING"] and states[-3:] == ["STAGING", "RUNNING", "SUCCEEDED"]
+    retried = [message for state, message in history if state == "RETRYING"]
+    assert retried[0].startswith(
+        "slurm: sbatch could not hand the job to the Slurm controller (Unable to contact slurm controller"
+    ), retried
+    assert retried[0].endswith("attempt 1 of 3 failed; retrying from the last checkpoint in 5 s"), retried
+    assert "attempt 1 failed: the engine or data store was unavailable: slurm: sbatch could not hand" in output
+    assert exported_weights(out)
+
+
+def test_a_refusal_of_the_job_fails_at_once_in_one_line_and_is_not_retried(slurm: SlurmCluster, tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "out")
+    job["resources"] = {**job["resources"], "backend": "slurm", "slurm": {"partition": "nope"}}
+    job["limits"] = {"max_retries": 2}
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), cwd=tmp_path)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    (failed,) = open_store().list_jobs()
+    assert result.stderr.strip().splitlines() == [
+        f"error: job tiny ({failed.id}) failed: the engine refused the job",
+        "error: slurm: resources.slurm.partition = 'nope': sbatch refused it (Invalid partition name specified); "
+        "give a partition that sinfo lists, or null for the cluster's default",
+    ]
+    assert [state for state, _ in _job_history(failed.id)] == ["QUEUED", "STAGING", "FAILED"]
+    assert (failed.attempt, failed.cause) == (1, "ENGINE")
+    assert _job_ids(slurm) == []

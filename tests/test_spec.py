@@ -9,6 +9,7 @@ import pytest
 import yaml
 from conftest import REPO, run_cli, tiny_job, write_job
 
+from clusterfit.errors import DataError
 from clusterfit.launch import preflight
 from clusterfit.spec import SpecError, apply_override, load_spec, validate_spec
 
@@ -132,17 +133,17 @@ def test_val_equal_to_train_is_refused(tmp_path: Path, tiny_imagefolder: Path) -
 
 
 @pytest.mark.parametrize(
-    ("layout", "message"),
+    ("layout", "error", "message"),
     [
-        ("missing", "trainer.data.train = '{root}': no such folder"),
-        ("empty", "trainer.data.train = '{root}': has no class subfolders"),
-        ("no_images", "trainer.data.train = '{root}': its class folders hold no images"),
-        ("parent", "holds a train/ folder; point trainer.data.train at {root}/train"),
-        ("file", "trainer.data.train = '{root}': is a file"),
+        ("missing", DataError, "trainer.data.train = '{root}': no such folder"),
+        ("empty", DataError, "trainer.data.train = '{root}': has no class subfolders"),
+        ("no_images", DataError, "trainer.data.train = '{root}': its class folders hold no images"),
+        ("parent", SpecError, "holds a train/ folder; point trainer.data.train at {root}/train"),
+        ("file", DataError, "trainer.data.train = '{root}': is a file"),
     ],
 )
 def test_bad_data_folder_is_refused_before_launch(
-    tmp_path: Path, tiny_imagefolder: Path, layout: str, message: str
+    tmp_path: Path, tiny_imagefolder: Path, layout: str, error: type[Exception], message: str
 ) -> None:
     root = {
         "missing": tmp_path / "nope",
@@ -159,9 +160,10 @@ def test_bad_data_folder_is_refused_before_launch(
     if layout == "file":
         root.write_text("x")
     raw = tiny_job(tmp_path / "out", data={"train": str(root), "image_size": 32, "num_classes": None})
-    with pytest.raises(SpecError) as caught:
+    with pytest.raises(error) as caught:
         preflight(validate_spec(raw))
     assert message.format(root=root) in str(caught.value)
+    assert not caught.value.retryable  # the same data fails the same way on every attempt
 
 
 def test_too_little_data_for_one_global_batch(tmp_path: Path, tiny_imagefolder: Path) -> None:
@@ -226,3 +228,67 @@ def test_sas_token_is_never_printed_or_written_by_the_launcher(tmp_path: Path) -
     assert result.returncode == 0, result.stderr
     assert "SECRETSIGNATURE" not in result.stdout + result.stderr
     assert yaml.safe_load(result.stdout.split("# local backend command")[0])["storage"]["sas_token"] is None
+
+
+def _validate(job: dict, tmp_path: Path, *args: str) -> list[str]:
+    """`clusterfit validate` of the job: its stdout lines when valid, else its stderr lines."""
+    path = write_job(tmp_path / "job.yaml", job)
+    result = run_cli("validate", str(path), *args)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == (0 if not result.stderr.strip() else 2), result.stderr
+    return (result.stderr or result.stdout).strip().splitlines()
+
+
+# What a launcher can know of the workers' devices: the local engine's are this machine's (made GPU-less here by
+# CUDA_VISIBLE_DEVICES, whatever the machine has); another engine's nodes have the GPUs the spec asks for.
+DEVICE_MISTAKES = [
+    pytest.param(
+        {"trainer": {"precision": "fp16"}},
+        (),
+        "error: trainer.precision = 'fp16': the workers will run on CPUs (this machine has no GPU) and fp16 needs a "
+        "CUDA GPU; use bf16, fp32 or auto",
+        id="fp16-on-this-cpu",
+    ),
+    pytest.param(
+        {"trainer": {"precision": "fp16"}},
+        ("--backend", "slurm"),
+        "error: trainer.precision = 'fp16': the workers will run on CPUs (resources.gpus_per_instance is 0) and fp16 "
+        "needs a CUDA GPU; use bf16, fp32 or auto, or give the workers GPUs with resources.gpus_per_instance",
+        id="fp16-on-cpu-nodes",
+    ),
+    pytest.param(
+        {"resources": {"gpus_per_instance": 4}},
+        (),
+        "error: resources.gpus_per_instance = 4: the local engine runs on this machine, which has 0 GPU(s); set it "
+        "to 0, or choose an engine whose nodes have GPUs (resources.backend)",
+        id="gpus-this-machine-lacks",
+    ),
+]
+
+
+@pytest.mark.parametrize(("changes", "args", "line"), DEVICE_MISTAKES)
+def test_devices_the_workers_will_not_have_are_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, changes: dict, args: tuple[str, ...], line: str
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    job = tiny_job(tmp_path / "out", **changes.get("trainer", {}))
+    job["resources"].update(changes.get("resources", {}))
+    assert _validate(job, tmp_path, *args) == [line]
+
+
+def test_gpus_of_a_remote_engines_nodes_are_not_judged_by_this_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    job = tiny_job(tmp_path / "out", precision="fp16")
+    job["resources"].update({"backend": "slurm", "gpus_per_instance": 4})
+    assert _validate(job, tmp_path) == [f"{tmp_path / 'job.yaml'}: ok (resnet_tiny, 2 worker(s), backend slurm)"]
+
+
+def test_an_outputs_url_is_refused_until_remote_outputs_exist(tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "out")
+    job["outputs"]["dir"] = "az://c/x"
+    assert _validate(job, tmp_path) == [
+        f"error: {tmp_path / 'job.yaml'}: outputs.dir = 'az://c/x': URLs are not supported yet; give a folder every "
+        "node sees (a shared filesystem)"
+    ]

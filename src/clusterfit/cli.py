@@ -16,8 +16,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from clusterfit.errors import ClusterfitError
 from clusterfit.outputs import JobOutputs
-from clusterfit.spec import JobSpec, SpecError, load_spec
+from clusterfit.spec import JobSpec, load_spec
 
 app = typer.Typer(
     help="Distributed training of image classifiers from one job spec.",
@@ -65,7 +66,7 @@ def _load(spec_file: Path, overrides: list[str] | None, backend: str | None = No
         from clusterfit.launch import preflight  # imports torch: only once the spec itself is valid
 
         preflight(spec)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     return spec
 
@@ -92,7 +93,7 @@ def run(
     if dry_run:
         try:
             rendered = backend.dry_run(spec)
-        except SpecError as exc:  # what only the engine checks (Ray: CPUs to reserve per process)
+        except ClusterfitError as exc:  # what only the engine checks (Ray: CPUs to reserve per process)
             raise _fail(str(exc)) from None
         for path, content in rendered.files.items():
             console.print(f"# {path}", markup=False)
@@ -103,7 +104,7 @@ def run(
     from clusterfit.monitoring.progress import LiveView
     from clusterfit.service.records import record_job
     from clusterfit.service.scheduler import schedule
-    from clusterfit.service.states import FailureCause, JobState
+    from clusterfit.service.states import JobState
     from clusterfit.service.supervisor import Supervisor
 
     store = _store()
@@ -124,14 +125,15 @@ def run(
         raise typer.Exit(130)
     # The cause and the failing rank's own traceback tail lead; the peers' tracebacks that followed it and
     # torchrun's report stay in the logs.
+    cause = final.failure_cause
     where = []
-    if final.failure_cause is not FailureCause.BAD_SPEC:
+    if not (cause and cause.before_any_worker):
         held = view.held_tracebacks()
         not_shown = f" (not shown here: the tracebacks of {', '.join(held)})" if held else ""
         where = [f"every rank's log is in {out.logs}, torchrun's report in {out.agent_log.name}{not_shown}"]
-    cause = final.failure_cause.words if final.failure_cause else "unknown"
     detail = (final.cause_detail or "").splitlines()
-    raise _fail("\n".join([f"job {spec.name} ({job.id}) failed: {cause}", *detail, *where]), 1)
+    headline = f"job {spec.name} ({job.id}) failed: {cause.words if cause else 'unknown'}"
+    raise _fail("\n".join([headline, *detail, *where]), 1)
 
 
 def _print_result(spec: JobSpec, out: JobOutputs) -> None:
@@ -525,7 +527,7 @@ def data_pack(
     try:
         size = parse_size(shard_size)
         report = pack_folder(src, dst, shard_size=size, max_side=max_side)
-    except (SpecError, ValueError) as exc:
+    except (ClusterfitError, ValueError) as exc:
         raise _fail(str(exc)) from None
     for file, reason in report.skipped:
         errors.print(f"skipped {file}: {reason}", markup=False, highlight=False, soft_wrap=True)
@@ -556,7 +558,7 @@ def data_stage(
     creds = Credentials(account_name=account_name, endpoint=endpoint, sas_token=token or None)
     try:
         report = stage(url, cache_dir, creds, workers=workers)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc), 1) from None
     console.print(describe(report), markup=False, soft_wrap=True)
 
@@ -579,7 +581,7 @@ def bench_data(
     try:
         config = DataBenchConfig(images=images, batch_size=batch_size, image_size=image_size, max_side=max_side)
         report = run_data_bench(config)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     console.print(report.markdown(), markup=False, soft_wrap=True)
 
@@ -618,7 +620,7 @@ def bench_train(
             cores_per_rank=cores_per_rank,
         )
         report = run_train_bench(config, out)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     console.print(report.markdown(), markup=False, soft_wrap=True)
     console.print(f"results: {out / RESULTS_JSON}  chart: {out / RESULTS_PNG}", markup=False)
@@ -655,7 +657,7 @@ def bench_ckpt(
             directory=directory,
         )
         report = run_ckpt_bench(config, out)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     console.print(report.markdown(), markup=False, soft_wrap=True)
     console.print(f"async stall / sync stall: {report.stall_ratio:.3f}  results: {out / RESULTS_JSON}", markup=False)
@@ -699,7 +701,7 @@ def bench_comm(
             **settings,
         )
         report = run_comm_bench(config, out)
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     console.print(report.markdown(), markup=False, soft_wrap=True)
     console.print(f"results: {out / RESULTS_JSON}", markup=False)
@@ -726,7 +728,7 @@ def bench_peak(
     console.print(machine_description(device), markup=False)
     try:
         results = [measure_matmul(name.strip(), size, repeats, device) for name in dtypes.split(",") if name.strip()]
-    except SpecError as exc:
+    except ClusterfitError as exc:
         raise _fail(str(exc)) from None
     for result in results:
         line = f"{result.dtype} matmul {result.size}x{result.size}: {result.tflops * 1000:.1f} GFLOP/s"

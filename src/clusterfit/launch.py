@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from clusterfit.backends.local import local_gpu_count
 from clusterfit.data.folders import inspect_data, steps_per_epoch
+from clusterfit.errors import SpecError
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import published, read_manifest
-from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec
 
 
 def preflight(spec: JobSpec) -> None:
-    """Raise SpecError for data that is missing or too small, and for outputs holding another job's checkpoints."""
+    """Raise DataError for data that is missing or unusable, SpecError for too little data for one step and for
+    outputs holding another job's checkpoints, and for devices the workers will not have."""
+    _check_devices(spec)
     if spec.resources.backend == "kubernetes":
         return  # paths name places inside the pods (image, mounted claims), not on this machine
     if spec.trainer is None:
@@ -31,6 +34,28 @@ def preflight(spec: JobSpec) -> None:
                 f"outputs.dir = {spec.outputs.dir!r} holds checkpoints of another model ({'; '.join(clashes)}); "
                 "choose a new outputs.dir, or move the old one away to start over"
             )
+
+
+def _check_devices(spec: JobSpec) -> None:
+    """Only what is knowable here: the local engine's workers get this machine's GPUs, whatever the spec says;
+    another engine's nodes have the GPUs the spec asks for (which this machine may well lack), and none else."""
+    asked = spec.resources.gpus_per_instance
+    if spec.resources.backend == "local":
+        here = local_gpu_count()
+        if asked > here:
+            raise SpecError(
+                f"resources.gpus_per_instance = {asked}: the local engine runs on this machine, which has {here} "
+                f"GPU(s); set it to {here}, or choose an engine whose nodes have GPUs (resources.backend)"
+            )
+        on_gpus, why, fix = here > 0, "this machine has no GPU", ""
+    else:
+        on_gpus, why = asked > 0, "resources.gpus_per_instance is 0"
+        fix = ", or give the workers GPUs with resources.gpus_per_instance"
+    if spec.trainer is not None and spec.trainer.precision == "fp16" and not on_gpus:
+        raise SpecError(
+            f"trainer.precision = 'fp16': the workers will run on CPUs ({why}) and fp16 needs a CUDA GPU; "
+            f"use bf16, fp32 or auto{fix}"
+        )
 
 
 def _check_command_job(spec: JobSpec) -> None:

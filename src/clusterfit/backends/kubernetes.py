@@ -7,6 +7,7 @@ the model land there); a command job's `code` must be in the image or on a mount
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import PurePosixPath
 from typing import Any
@@ -16,9 +17,9 @@ import yaml
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import RDZV_PORT, torchrun_command, worker_env
+from clusterfit.errors import EngineError, SpecError
 from clusterfit.outputs.layout import RESOLVED_SPEC
 from clusterfit.outputs.resolved_spec import resolved_spec_text
-from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec
 
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
@@ -27,6 +28,7 @@ SPEC_DIR = "/etc/clusterfit"
 DATA_MOUNT = "/data"
 _CONTAINER = "pytorch"  # the training operator finds the training container by this name
 _POLL_EVERY_S = 2.0
+_RETRY_NOTE = "with limits.max_retries the job is submitted again after a pause"
 
 
 def resource_name(job_name: str) -> str:
@@ -159,12 +161,21 @@ class KubernetesBackend:
         core, custom = _clients()
         namespace = spec.resources.kubernetes.namespace
         from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
 
         try:
             core.create_namespaced_config_map(namespace, config_map)
             custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, job)
         except ApiException as exc:
-            raise SpecError(f"the Kubernetes API refused the job: {exc.status} {exc.reason}") from None
+            name = job["metadata"]["name"]
+            raise api_refusal(exc.status or 0, exc.reason or "", exc.body or "", name, namespace) from None
+        except HTTPError as exc:  # the client's transport: no answer at all (refused, timed out, DNS)
+            reason = str(getattr(exc, "reason", None) or exc).rsplit(": ", 1)[-1]
+            raise EngineError(
+                f"cannot reach the Kubernetes API server at {core.api_client.configuration.host} ({reason}); "
+                f"check the cluster in your kubeconfig; {_RETRY_NOTE}",
+                retryable=True,
+            ) from None
         return PolledRun(EngineRef(self.name, job["metadata"]["name"], {"namespace": namespace}), self, _POLL_EVERY_S)
 
     def status(self, ref: EngineRef) -> EngineStatus:
@@ -197,6 +208,32 @@ class KubernetesBackend:
                     raise
 
 
+def api_refusal(status: int, reason: str, body: str, name: str, namespace: str) -> EngineError:
+    """An API server's answer to a submission, as one line with its fix. 429 and 5xx (overloaded, restarting,
+    a webhook timing out) may pass a little later; any other refusal is about this job and would be repeated."""
+    said = " ".join(f"{status} {reason}: {_status_message(body)}".rstrip(": ").split())[:300]
+    if status == 429 or status >= 500:
+        return EngineError(f"the Kubernetes API could not take the job now ({said}); {_RETRY_NOTE}", retryable=True)
+    fixes = {
+        403: f"your kubeconfig's user may not create ConfigMaps and PyTorchJobs in namespace {namespace!r} "
+        "(resources.kubernetes.namespace); ask for that role",
+        404: f"the namespace {namespace!r} or the PyTorchJob kind (Kubeflow's training operator) is missing; "
+        "create the namespace or install the operator",
+        409: f"a job named {name!r} exists in namespace {namespace!r}; delete it (kubectl delete "
+        f"pytorchjob,configmap -n {namespace} -l clusterfit/job={name}) or rename the job",
+    }
+    fix = fixes.get(status, "check resources.kubernetes against the manifests `clusterfit run --dry-run` prints")
+    return EngineError(f"the Kubernetes API refused the job ({said}); {fix}", retryable=False)
+
+
+def _status_message(body: str) -> str:
+    """The `message` of the Status object an API server answers with; empty if the body is not one."""
+    try:
+        return str(json.loads(body).get("message", ""))
+    except (ValueError, AttributeError):
+        return ""
+
+
 def job_status(job: dict[str, Any]) -> EngineStatus:
     """The PyTorchJob's last condition: Succeeded or Failed end it; anything else is still running."""
     conditions = (job.get("status") or {}).get("conditions") or []
@@ -212,14 +249,15 @@ def _clients() -> tuple[Any, Any]:
     try:
         from kubernetes import client, config
     except ImportError:
-        raise SpecError(
-            "the kubernetes backend needs the kubernetes client: pip install 'clusterfit[kubernetes]'"
+        raise EngineError(
+            "the kubernetes backend needs the kubernetes client: pip install 'clusterfit[kubernetes]'", retryable=False
         ) from None
     try:
         config.load_kube_config()
     except Exception as exc:  # the client raises ConfigException, FileNotFoundError, TypeError ...
-        raise SpecError(
+        raise EngineError(
             f"no usable kubeconfig ({exc}); point KUBECONFIG at your cluster's config, or use --dry-run to print "
-            "the manifests for kubectl apply"
+            "the manifests for kubectl apply",
+            retryable=False,
         ) from None
     return client.CoreV1Api(), client.CustomObjectsApi()

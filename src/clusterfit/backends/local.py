@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -25,6 +26,18 @@ from clusterfit.processes import descendants, kill_if_same, process_start_time, 
 from clusterfit.spec.model import JobSpec
 
 _CANCEL_GRACE_S = 20.0
+
+
+def local_gpu_count() -> int:
+    """GPUs this machine's workers can use, known without importing torch: those CUDA_VISIBLE_DEVICES names
+    when it is set, else every GPU the NVIDIA driver lists (none without a driver)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        # CUDA reads the list up to its first invalid entry: "" and "-1" hide every GPU.
+        names = [name.strip() for name in visible.split(",")]
+        return len(list(itertools.takewhile(lambda name: name and not name.startswith("-"), names)))
+    driver = Path("/proc/driver/nvidia/gpus")
+    return len(list(driver.iterdir())) if driver.is_dir() else 0
 
 
 class LocalBackend:

@@ -39,10 +39,10 @@ from clusterfit.backends.torchrun import (
     torchrun_command,
     worker_env,
 )
+from clusterfit.errors import ClusterfitError, EngineError, SpecError
 from clusterfit.files import write_atomically
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import stop_with_parent
-from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec
 
 NAMESPACE = "clusterfit"
@@ -94,6 +94,11 @@ def bundle(spec: JobSpec) -> dict[str, float]:
     cpus = {"CPU": float(spec.distribution.process_count_per_instance * threads_per_process(spec))}
     gpus = spec.resources.gpus_per_instance
     return {**cpus, "GPU": float(gpus)} if gpus else cpus
+
+
+def _holds(total: dict[str, float], wanted: dict[str, float]) -> bool:
+    """Whether a node with `total` resources could ever hold the bundle `wanted`."""
+    return all(total.get(name, 0.0) >= amount for name, amount in wanted.items())
 
 
 def _shown(resources: dict[str, float]) -> str:
@@ -155,12 +160,15 @@ class RayBackend:
         ready, _ = ray.wait([group.ready()], timeout=_PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(group)
-            alive = sum(1 for node in ray.nodes() if node.get("Alive"))
-            raise RuntimeError(
+            alive = [node for node in ray.nodes() if node.get("Alive")]
+            big_enough = [node for node in alive if _holds(node.get("Resources", {}), bundle(spec))]
+            raise EngineError(
                 f"resources.instance_count = {nodes}: the Ray cluster at {cluster_address(spec)} did not offer "
                 f"{nodes} separate nodes with {_shown(bundle(spec))} free within "
-                f"{_PLACEMENT_TIMEOUT_S:.0f} s ({alive} node(s) alive); lower instance_count or "
-                "process_count_per_instance, or add nodes"
+                f"{_PLACEMENT_TIMEOUT_S:.0f} s ({len(alive)} node(s) alive, {len(big_enough)} that large); "
+                "lower instance_count or process_count_per_instance, or add nodes",
+                # Enough nodes that large exist: they are busy, and may be free later. Too few never will be.
+                retryable=len(big_enough) >= nodes,
             )
         agent_class = ray.remote(NodeAgent)
         actors = [
@@ -197,7 +205,7 @@ class RayBackend:
         except Exception as exc:
             run.cancel()
             cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the actor's own exception
-            if isinstance(cause, (SpecError, OSError)):
+            if isinstance(cause, (ClusterfitError, OSError)):
                 raise cause from None
             raise
         return run
@@ -270,9 +278,10 @@ class NodeAgent:
 
     def start(self, command: list[str], env: dict[str, str], files: dict[str, str], log_dir: str, cwd: str) -> int:
         if not os.path.isdir(cwd):
-            raise SpecError(
+            raise EngineError(
                 f"the launcher's working directory {cwd} does not exist on Ray node {self.where().ip}; run from a "
-                "folder every node sees (outputs.dir and data paths must be on a shared filesystem)"
+                "folder every node sees (outputs.dir and data paths must be on a shared filesystem)",
+                retryable=False,
             )
         for path, content in files.items():
             write_atomically(Path(cwd, path), content)
@@ -367,8 +376,9 @@ def _connect(address: str) -> Any:
     try:
         import ray
     except ImportError:
-        raise SpecError(
-            "resources.backend = 'ray' needs Ray on the launching machine: pip install 'clusterfit[ray]'"
+        raise EngineError(
+            "resources.backend = 'ray' needs Ray on the launching machine: pip install 'clusterfit[ray]'",
+            retryable=False,
         ) from None
     if not ray.is_initialized():
         _check_reachable(address)
@@ -376,9 +386,11 @@ def _connect(address: str) -> Any:
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
         except Exception as exc:  # Ray raises ConnectionError, RuntimeError or its own types here
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ConnectionError(
+            # Retryable: a cluster that does not answer now (starting, restarting) may answer later.
+            raise EngineError(
                 f"resources.ray_address = {address!r}: cannot join a Ray cluster there ({reason}); start one with "
-                "`ray start --head`, set resources.ray_address or RAY_ADDRESS, and RAY_AUTH_TOKEN if it uses tokens"
+                "`ray start --head`, set resources.ray_address or RAY_ADDRESS, and RAY_AUTH_TOKEN if it uses tokens",
+                retryable=True,
             ) from None
     return ray
 
@@ -394,9 +406,10 @@ def _check_reachable(address: str) -> None:
             return
     except (OSError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
-    raise ConnectionError(
+    raise EngineError(
         f"resources.ray_address = {address!r}: no Ray cluster answers there ({reason}); start one with "
-        "`ray start --head`, or set resources.ray_address or RAY_ADDRESS to its host:port"
+        "`ray start --head`, or set resources.ray_address or RAY_ADDRESS to its host:port",
+        retryable=True,
     )
 
 

@@ -23,9 +23,9 @@ from clusterfit.backends.torchrun import (
     torchrun_command,
     worker_env,
 )
+from clusterfit.errors import EngineError
 from clusterfit.files import write_atomically
 from clusterfit.outputs import JobOutputs
-from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import JobSpec
 
 SCRIPT = "slurm/job.sbatch"  # under outputs.dir
@@ -53,6 +53,16 @@ _ACTIVE_STATES = {
     "PREEMPTED",
     "UNKNOWN_CONTROLLER_UNREACHABLE",
 }
+# What sbatch says when the controller could not take any job just then (down, restarting, overloaded): the same
+# script may be accepted a moment later. Any other refusal is about this job and would be repeated.
+_CONTROLLER_BUSY_OR_DOWN = (
+    "unable to contact slurm controller",
+    "socket timed out",
+    "temporarily unable to accept job",
+    "zero bytes were transmitted or received",
+    "communication connection failure",
+)
+_SUBMISSION_FAILED = "Batch job submission failed: "
 
 
 def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
@@ -130,7 +140,9 @@ class SlurmBackend:
 
     def submit(self, spec: JobSpec) -> PolledRun:
         if shutil.which("sbatch") is None:
-            raise SpecError("resources.backend = 'slurm' but sbatch is not on PATH; run on a Slurm login node")
+            raise EngineError(
+                "resources.backend = 'slurm' but sbatch is not on PATH; run on a Slurm login node", retryable=False
+            )
         rendered = self.dry_run(spec)
         ship_code(spec)
         for path, content in rendered.files.items():
@@ -141,7 +153,7 @@ class SlurmBackend:
             rendered.command, env={**os.environ, **rendered.secret_env}, capture_output=True, text=True
         )
         if result.returncode != 0:
-            raise SpecError(f"sbatch refused the job: {result.stderr.strip() or result.stdout.strip()}")
+            raise sbatch_refusal(result.stderr or result.stdout, spec)
         job_id = result.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;cluster"
         return PolledRun(EngineRef(self.name, job_id), self, _STATUS_EVERY_S)
 
@@ -159,6 +171,30 @@ class SlurmBackend:
         # COMPLETING means processes may still be exiting: wait for the final state.
         while self.status(ref).state == "running" and time.monotonic() < deadline:
             time.sleep(0.5)
+
+
+def sbatch_refusal(output: str, spec: JobSpec) -> EngineError:
+    """sbatch's complaint as one line with its fix; retryable when the controller could not take any job then."""
+    lines = [line.strip().removeprefix("sbatch: error: ") for line in output.splitlines() if line.strip()]
+    failed = [line.removeprefix(_SUBMISSION_FAILED) for line in lines if line.startswith(_SUBMISSION_FAILED)]
+    reason = (failed or lines or ["no message"])[-1]
+    if any(words in reason.lower() for words in _CONTROLLER_BUSY_OR_DOWN):
+        return EngineError(
+            f"sbatch could not hand the job to the Slurm controller ({reason}); check that slurmctld is up "
+            "(scontrol ping); with limits.max_retries the job is submitted again after a pause",
+            retryable=True,
+        )
+    if "partition" in reason.lower():
+        return EngineError(
+            f"resources.slurm.partition = {spec.resources.slurm.partition!r}: sbatch refused it ({reason}); "
+            "give a partition that sinfo lists, or null for the cluster's default",
+            retryable=False,
+        )
+    return EngineError(
+        f"sbatch refused the job ({reason}); check resources.slurm (partition, time_limit_minutes, "
+        "extra_sbatch_args) against sinfo and your account",
+        retryable=False,
+    )
 
 
 def job_state(job_id: str) -> tuple[str | None, int | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from clusterfit.spec.errors import SpecError
+from clusterfit.errors import DataError, SpecError
 from clusterfit.spec.model import DataSpec, StorageSpec, TrainerSpec
 
 # The extensions torchvision's ImageFolder accepts.
@@ -29,7 +29,7 @@ class DataFacts:
 
 def inspect_folder(root: str, field: str) -> FolderInfo:
     """Check that `root` is an ImageNet-layout folder or a packed dataset; every problem becomes a one-line
-    SpecError."""
+    DataError (a SpecError when the spec names the folder above the data)."""
     from clusterfit.data.shards import inspect_packed, is_packed  # shards imports this module
 
     if is_packed(root):
@@ -37,23 +37,31 @@ def inspect_folder(root: str, field: str) -> FolderInfo:
         return FolderInfo(classes=classes, image_count=samples)
     path = Path(root)
     if not path.exists():
-        raise SpecError(f"{field} = {root!r}: no such folder; give an ImageNet-layout folder (<class>/<image>.jpg)")
+        raise DataError(
+            f"{field} = {root!r}: no such folder; give an ImageNet-layout folder (<class>/<image>.jpg)", retryable=False
+        )
     if not path.is_dir():
-        raise SpecError(f"{field} = {root!r}: is a file; give a folder of class subfolders (<class>/<image>.jpg)")
+        raise DataError(
+            f"{field} = {root!r}: is a file; give a folder of class subfolders (<class>/<image>.jpg)", retryable=False
+        )
     classes = sorted(entry.name for entry in path.iterdir() if entry.is_dir() and not entry.name.startswith("."))
     if not classes:
-        raise SpecError(f"{field} = {root!r}: has no class subfolders; expected {root}/<class>/<image>.jpg")
-    if classes == ["train"] or set(classes) >= {"train", "val"}:
+        raise DataError(
+            f"{field} = {root!r}: has no class subfolders; expected {root}/<class>/<image>.jpg", retryable=False
+        )
+    if classes == ["train"] or set(classes) >= {"train", "val"}:  # the data is there; the spec points above it
         raise SpecError(f"{field} = {root!r}: holds a train/ folder; point {field} at {root.rstrip('/')}/train")
     count = sum(1 for cls in classes for f in (path / cls).iterdir() if f.suffix.lower() in IMG_EXTENSIONS)
     if count == 0:
-        raise SpecError(f"{field} = {root!r}: its class folders hold no images ({', '.join(IMG_EXTENSIONS)})")
+        raise DataError(
+            f"{field} = {root!r}: its class folders hold no images ({', '.join(IMG_EXTENSIONS)})", retryable=False
+        )
     return FolderInfo(classes=classes, image_count=count)
 
 
 def inspect_data(data: DataSpec, storage: StorageSpec | None = None) -> DataFacts:
-    """Check the spec's data against the file system (or, for URLs, the storage service's listing);
-    raises SpecError naming the field to fix."""
+    """Check the spec's data against the file system (or, for URLs, the storage service's listing); raises
+    DataError for data that is missing or unusable, SpecError where the spec says something the data denies."""
     if data.is_synthetic:
         assert data.num_classes is not None
         return DataFacts([str(i) for i in range(data.num_classes)], data.synthetic_images, 0)
@@ -77,8 +85,9 @@ def inspect_data(data: DataSpec, storage: StorageSpec | None = None) -> DataFact
         val = inspect_folder(data.val, "trainer.data.val")
         unknown = sorted(set(val.classes) - set(train.classes))
         if unknown:
-            raise SpecError(
-                f"trainer.data.val: classes {unknown[:5]} are not in trainer.data.train; they cannot be scored"
+            raise DataError(
+                f"trainer.data.val: classes {unknown[:5]} are not in trainer.data.train; they cannot be scored",
+                retryable=False,
             )
         val_images = val.image_count
     return DataFacts(train.classes, train.image_count, val_images)

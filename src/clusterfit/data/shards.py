@@ -33,8 +33,8 @@ from PIL import Image
 
 from clusterfit.data.decode import BadImage, decode_rgb, open_image
 from clusterfit.data.folders import IMG_EXTENSIONS, inspect_folder
+from clusterfit.errors import DataError, SpecError
 from clusterfit.files import write_atomically
-from clusterfit.spec.errors import SpecError
 from clusterfit.storage.checksums import sha256_of
 
 INDEX = "index.json"
@@ -266,9 +266,9 @@ def inspect_packed(root: str, field_name: str) -> tuple[list[str], int]:
             if check_members(path) != shard.samples:
                 raise ShardError(f"shard {shard.name} does not hold the {shard.samples} samples the index lists")
     except (ShardError, tarfile.TarError, OSError) as exc:
-        raise SpecError(f"{field_name} = {root!r}: {' '.join(str(exc).split())}") from None
+        raise DataError(f"{field_name} = {root!r}: {' '.join(str(exc).split())}", retryable=False) from None
     if index.samples == 0:
-        raise SpecError(f"{field_name} = {root!r}: the packed dataset holds no samples")
+        raise DataError(f"{field_name} = {root!r}: the packed dataset holds no samples", retryable=False)
     return index.classes, index.samples
 
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clusterfit.errors import DataError
 from clusterfit.files import write_atomically
 from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV
-from clusterfit.spec.errors import SpecError
-from clusterfit.spec.model import JobSpec, StorageSpec
+from clusterfit.spec.model import JobSpec, StorageSpec, is_url
 from clusterfit.storage.checksums import sha256_of
 
 MANIFEST = "manifest.json"
@@ -39,8 +39,9 @@ DATA_DIR = "data"
 _CHUNK = 4 << 20
 
 
-class StagingError(SpecError):
-    """Staging failed; one line naming the URL, what went wrong and what to do. Nothing staged is lost."""
+class StagingError(DataError):
+    """Staging failed; one line naming the URL, what went wrong and what to do. Nothing staged is lost.
+    Retryable when the storage service did not answer, or the copy stopped halfway: running again resumes."""
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,6 @@ class StageReport:
         return self.copied_bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-def is_url(path: str) -> bool:
-    return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
-
-
 def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
     """(fsspec filesystem, path inside it). Filesystems are never shared between credentials."""
     import fsspec
@@ -98,9 +95,9 @@ def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
     except ImportError as exc:
         package = {"az": "adlfs", "abfs": "adlfs", "abfss": "adlfs", "s3": "s3fs", "s3a": "s3fs"}.get(protocol, "")
         hint = f"pip install {package}" if package else "install the fsspec implementation for it"
-        raise StagingError(f"{url}: no filesystem for {protocol}:// ({exc}); {hint}") from None
+        raise StagingError(f"{url}: no filesystem for {protocol}:// ({exc}); {hint}", retryable=False) from None
     except (ValueError, OSError) as exc:
-        raise StagingError(f"{url}: {_say(exc, creds)}") from None
+        raise _storage_error(url, exc, creds) from None
     return fs, path.rstrip("/")
 
 
@@ -176,7 +173,8 @@ def _stage_locked(
             (data / rel).with_name((data / rel).name + ".part").unlink(missing_ok=True)
             raise StagingError(
                 f"{url}/{rel}: sha256 {digest[:12]}… differs from the index's {want[:12]}…; "
-                "the source changed or is corrupt; pack it again"
+                "the source changed or is corrupt; pack it again",
+                retryable=False,
             )
         os.replace(_part(data / rel), data / rel)
         with lock:
@@ -193,7 +191,7 @@ def _stage_locked(
     journal = _read_journal(target / JOURNAL)
     files = {rel: journal[rel] for rel in sorted(listing)}
     if any(rel not in journal for rel in listing):  # pragma: no cover - every copy either raised or journaled
-        raise StagingError(f"{url}: some files were not copied; run again to resume")
+        raise StagingError(f"{url}: some files were not copied; run again to resume", retryable=True)
     write_atomically(target / MANIFEST, json.dumps({"url": _public(url), "files": files}, indent=1))
     (target / JOURNAL).unlink(missing_ok=True)
     report.files, report.bytes = len(files), sum(e["bytes"] for e in files.values())
@@ -203,17 +201,21 @@ def _list(fs: Any, root: str, url: str, creds: Credentials) -> dict[str, int]:
     try:
         found = fs.find(root, detail=True)
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types; all become one line
-        raise StagingError(f"{url}: {_say(exc, creds)}") from None
+        raise _storage_error(url, exc, creds) from None
     listing = {}
     for path, info in found.items():
         if info.get("type") == "directory":
             continue
         rel = path[len(root) :].lstrip("/") if path.startswith(root) else path.rsplit("/", 1)[-1]
         if not rel or rel.startswith("/") or ".." in rel.split("/"):
-            raise StagingError(f"{url}: object {path!r} would land outside the cache folder; refusing to stage it")
+            raise StagingError(
+                f"{url}: object {path!r} would land outside the cache folder; refusing to stage it", retryable=False
+            )
         listing[rel] = int(info.get("size") or 0)
     if not listing:
-        raise StagingError(f"{url}: no files there; check the URL (a folder of <class>/<image> or a packed dataset)")
+        raise StagingError(
+            f"{url}: no files there; check the URL (a folder of <class>/<image> or a packed dataset)", retryable=False
+        )
     return listing
 
 
@@ -254,11 +256,12 @@ def _copy_one(fs: Any, remote: str, local: Path, size: int, url: str, creds: Cre
                 digest.update(block)
                 fetched += len(block)
     except Exception as exc:  # noqa: BLE001 - connection errors of every backend; the .part file is kept
+        stopped = f"{url}: copying {remote.rsplit('/', 1)[-1]} stopped"
+        raise _storage_error(stopped, exc, creds, then="; run again to resume") from None
+    if have + fetched != size:  # the object changed while it was copied: the next run copies the new one
         raise StagingError(
-            f"{url}: copying {remote.rsplit('/', 1)[-1]} stopped: {_say(exc, creds)}; run again to resume"
-        ) from None
-    if have + fetched != size:
-        raise StagingError(f"{url}: {remote} has {have + fetched} bytes, the listing said {size}; run again")
+            f"{url}: {remote} has {have + fetched} bytes, the listing said {size}; run again", retryable=True
+        )
     return digest.hexdigest(), fetched
 
 
@@ -274,25 +277,45 @@ def _verify_all(data: Path, files: dict[str, dict[str, Any]], workers: int) -> s
         return {rel for rel in pool.map(bad, files.items()) if rel}
 
 
-def _say(exc: BaseException, creds: Credentials) -> str:
-    """An exception from any storage SDK as one short line, without secrets, with the fix when known."""
+@dataclass(frozen=True)
+class _StorageProblem:
+    text: str  # one short line, without secrets, with the fix when known
+    unreachable: bool  # the service did not answer (rather than answering no): it may answer later
+
+
+def _diagnose(exc: BaseException, creds: Credentials) -> _StorageProblem:
+    """What an exception from any storage SDK means."""
     name = type(exc).__name__
     text = " ".join(str(exc).split())
     for secret in creds.secrets():
         text = text.replace(secret, "***")
     lowered = f"{name} {text}".lower()
     if "authenticat" in lowered or "signature" in lowered or "authorizationfailure" in lowered:
-        return (
+        return _StorageProblem(
             "access denied: the credentials were refused (authentication failed); check storage.sas_token or "
-            "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_KEY"
+            "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_KEY",
+            unreachable=False,
         )
     if "authorizationpermissionmismatch" in lowered or "403" in lowered or "permission" in lowered:
-        return "access denied: these credentials may not do this (a read-only SAS token?)"
+        return _StorageProblem(
+            "access denied: these credentials may not do this (a read-only SAS token?)", unreachable=False
+        )
     if "connect" in lowered or "timeout" in lowered or "timed out" in lowered:
-        return f"cannot reach the storage service ({name})"
+        return _StorageProblem(f"cannot reach the storage service ({name})", unreachable=True)
     if isinstance(exc, FileNotFoundError) or "notfound" in lowered.replace(" ", "") or "does not exist" in lowered:
-        return "not found; check the container and path"
-    return f"{name}: {text[:200]}"
+        return _StorageProblem("not found; check the container and path", unreachable=False)
+    return _StorageProblem(f"{name}: {text[:200]}", unreachable=False)
+
+
+def _say(exc: BaseException, creds: Credentials) -> str:
+    """An exception from any storage SDK as one short line, without secrets, with the fix when known."""
+    return _diagnose(exc, creds).text
+
+
+def _storage_error(where: str, exc: BaseException, creds: Credentials, then: str = "") -> StagingError:
+    """`where: <what went wrong>then`, retryable when the storage service could not be reached."""
+    problem = _diagnose(exc, creds)
+    return StagingError(f"{where}: {problem.text}{then}", retryable=problem.unreachable)
 
 
 def _public(url: str) -> str:
@@ -382,14 +405,17 @@ def remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[lis
                     found = "is missing" if shard["name"] not in sizes else f"has {sizes[shard['name']]} bytes"
                     raise StagingError(
                         f"{field_name} = {url!r}: shard {shard['name']} {found}, the index says {shard['bytes']} "
-                        "bytes; upload the packed dataset again"
+                        "bytes; upload the packed dataset again",
+                        retryable=False,
                     )
             return list(index["classes"]), int(index["samples"])
     except StagingError:
         raise
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types
-        raise StagingError(f"{field_name} = {url!r}: {_say(exc, creds)}") from None
+        raise _storage_error(f"{field_name} = {url!r}", exc, creds) from None
     classes = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
     if not classes:
-        raise StagingError(f"{field_name} = {url!r}: has no class folders; expected {url}/<class>/<image>.jpg")
+        raise StagingError(
+            f"{field_name} = {url!r}: has no class folders; expected {url}/<class>/<image>.jpg", retryable=False
+        )
     return classes, None

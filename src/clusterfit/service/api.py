@@ -24,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from clusterfit import __version__
+from clusterfit.errors import ClusterfitError
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.auth import SCOPES, TokenError, Verdict, authorize, issue_token, parse_ttl
 from clusterfit.service.logview import read_logs
@@ -32,7 +33,7 @@ from clusterfit.service.scheduler import reconcile, schedule
 from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import ApiToken, Job, JobNotFound, JobStore, StateConflict
 from clusterfit.service.views import job_details, job_row, job_status, metrics_series
-from clusterfit.spec import SpecError, load_spec_text
+from clusterfit.spec import load_spec_text
 
 log = logging.getLogger("clusterfit.server")
 DASHBOARD = files("clusterfit.service") / "dashboard"
@@ -99,8 +100,8 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
         try:
             spec = load_spec_text(request.spec, request.overrides, source=request.source)
             preflight(spec)
-        except SpecError as exc:
-            raise HTTPException(422, str(exc)) from None
+        except ClusterfitError as exc:  # 503: the data's store did not answer; submitting later may work
+            raise HTTPException(503 if exc.retryable else 422, str(exc)) from None
         job = record_job(store, spec, owner=token.name if token else "")
         if not settings.paused:
             schedule(store)

@@ -1,6 +1,7 @@
 """Why an attempt failed, in words. Evidence is gathered from files every engine leaves in the outputs
 folder (torchrun's error files, the agent's log, the ranks' logs) plus the kernel's OOM-kill counter;
-`classify` is a pure function of that evidence, tested without any process."""
+`classify` is a pure function of that evidence, tested without any process. An attempt stopped before any
+worker started has an error instead of evidence: `failure_for_error` maps it to its cause, as purely."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clusterfit.errors import ClusterfitError, DataError, SpecError
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.logs import rank_logs, rank_of_error_file
 from clusterfit.service.states import FailureCause
@@ -117,6 +119,21 @@ def classify(evidence: Evidence) -> Failure:
             FailureCause.SIGNAL, f"the job's agent was killed by {_signal_name(-evidence.exit_code)}", agent_tail
         )
     return Failure(FailureCause.EXIT_CODE, f"the job exited with code {evidence.exit_code}", agent_tail)
+
+
+def failure_for_error(error: Exception, engine: str = "") -> Failure:
+    """The cause of an attempt that an error stopped before any worker started; `engine` names the engine the
+    error came from, if it did.
+
+    Any error that says a retry can help (an engine or a data store that did not answer) -> UNAVAILABLE;
+    a mistake in the spec or its data -> BAD_SPEC; the engine's refusal of this job, or an error of no clusterfit
+    type from an engine call that no backend foresaw -> ENGINE."""
+    said = f"{engine}: {error}" if engine else str(error)
+    if isinstance(error, ClusterfitError) and error.retryable:
+        return Failure(FailureCause.UNAVAILABLE, said)
+    if isinstance(error, (SpecError, DataError)):
+        return Failure(FailureCause.BAD_SPEC, str(error))
+    return Failure(FailureCause.ENGINE, said)
 
 
 def _out_of_shared_memory(lines: tuple[str, ...]) -> bool:

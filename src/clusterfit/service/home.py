@@ -27,7 +27,6 @@ def local_capacity() -> int:
     configured = os.environ.get(CAPACITY_ENV)
     if configured:
         return max(1, int(configured))
-    gpus = [name for name in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if name.strip()]
-    if not gpus and Path("/proc/driver/nvidia/gpus").is_dir():
-        gpus = list(Path("/proc/driver/nvidia/gpus").iterdir())
-    return len(gpus) or len(os.sched_getaffinity(0))
+    from clusterfit.backends.local import local_gpu_count
+
+    return local_gpu_count() or len(os.sched_getaffinity(0))

@@ -58,13 +58,19 @@ class FailureCause(str, enum.Enum):
     NODE_LOST = "NODE_LOST"  # a node or the process supervising the job went away
     SIGNAL = "SIGNAL"  # killed by a signal from outside
     EXIT_CODE = "EXIT_CODE"  # a non-zero exit without anything more specific
-    ENGINE = "ENGINE"  # the engine refused or lost the submission (sbatch failed, Ray unreachable, ...)
+    ENGINE = "ENGINE"  # the engine refused this job (no such partition, a manifest it rejects, ...)
+    UNAVAILABLE = "UNAVAILABLE"  # the engine or the data store could not take or serve any job just then
     CANCELLED = "CANCELLED"  # cancelled by a user
     BAD_SPEC = "BAD_SPEC"  # the spec or its data was refused before any worker started
 
     @property
     def words(self) -> str:
         return _WORDS[self]
+
+    @property
+    def before_any_worker(self) -> bool:
+        """The attempt ended before any worker started: there is no rank log to look at."""
+        return self in _BEFORE_ANY_WORKER
 
 
 _WORDS = {
@@ -77,12 +83,22 @@ _WORDS = {
     FailureCause.SIGNAL: "killed by a signal",
     FailureCause.EXIT_CODE: "exited with an error",
     FailureCause.ENGINE: "the engine refused the job",
+    FailureCause.UNAVAILABLE: "the engine or data store was unavailable",
     FailureCause.CANCELLED: "cancelled by user",
     FailureCause.BAD_SPEC: "bad spec",
 }
 
-# Causes that another attempt cannot cure: the same spec would fail the same way, or a user asked to stop.
-_NOT_RETRIED = frozenset({FailureCause.CANCELLED, FailureCause.BAD_SPEC})
+_BEFORE_ANY_WORKER = frozenset({FailureCause.BAD_SPEC, FailureCause.ENGINE, FailureCause.UNAVAILABLE})
+# Causes that another attempt cannot cure: the same spec would fail the same way, the engine would refuse the
+# job again, or a user asked to stop.
+_NOT_RETRIED = frozenset({FailureCause.CANCELLED, FailureCause.BAD_SPEC, FailureCause.ENGINE})
+# NOTE: an outage that refused an attempt (a controller restarting, an API server overloaded) usually lasts
+# seconds: retrying at once would meet it again and spend every retry within that outage. The pause grows with
+# each attempt so that a longer outage is waited out too, and stays well under the minute of silence after
+# which the scheduler counts a supervisor on another host as gone.
+_RETRIED_AFTER_A_PAUSE = frozenset({FailureCause.UNAVAILABLE})
+_PAUSE_PER_ATTEMPT_S = 5.0
+_LONGEST_PAUSE_S = 30.0
 
 
 class Decision(str, enum.Enum):
@@ -94,6 +110,7 @@ class Decision(str, enum.Enum):
 class FailureDecision:
     decision: Decision
     reason: str
+    pause_s: float = 0.0  # how long to wait before the next attempt
 
 
 def decide_after_failure(cause: FailureCause, attempt: int, max_retries: int) -> FailureDecision:
@@ -102,6 +119,10 @@ def decide_after_failure(cause: FailureCause, attempt: int, max_retries: int) ->
         return FailureDecision(Decision.FAIL, f"{cause.words} is not retried")
     if attempt > max_retries:
         return FailureDecision(Decision.FAIL, f"attempt {attempt} of {max_retries + 1} failed; no retries left")
+    pause_s = min(_PAUSE_PER_ATTEMPT_S * attempt, _LONGEST_PAUSE_S) if cause in _RETRIED_AFTER_A_PAUSE else 0.0
+    when = f" in {pause_s:g} s" if pause_s else ""
     return FailureDecision(
-        Decision.RETRY, f"attempt {attempt} of {max_retries + 1} failed; retrying from the last checkpoint"
+        Decision.RETRY,
+        f"attempt {attempt} of {max_retries + 1} failed; retrying from the last checkpoint{when}",
+        pause_s,
     )

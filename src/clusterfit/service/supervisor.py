@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from clusterfit.backends import RunHandle, get_backend
+from clusterfit.errors import ClusterfitError
 from clusterfit.launch import preflight
 from clusterfit.outputs import (
     ATTEMPT_ENV,
@@ -30,12 +31,12 @@ from clusterfit.outputs import (
 )
 from clusterfit.outputs.layout import LOG_DIR, rank_log_name
 from clusterfit.processes import process_start_time
-from clusterfit.service.causes import Failure, classify, gather_evidence, oom_kill_count
+from clusterfit.service.causes import Failure, classify, failure_for_error, gather_evidence, oom_kill_count
 from clusterfit.service.outputs_claim import OutputsClaim, claim_outputs
 from clusterfit.service.records import forget_secrets, spec_of
 from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
 from clusterfit.service.store import Job, JobStore, dump_json
-from clusterfit.spec import JobSpec, SpecError
+from clusterfit.spec import JobSpec
 
 _RECORD_EVERY_S = 2.0  # progress written to the store at most this often; also the supervisor's liveness
 _HANG_GRACE_S = 3.0  # after a hang is seen, time for every rank's stack dump to reach its log
@@ -94,8 +95,8 @@ class Supervisor:
             if self._outputs_claim is None and spec.resources.backend != "kubernetes":
                 self._outputs_claim = claim_outputs(Path(spec.outputs.dir), job.id)
             preflight(spec)  # again: data can vanish while a job waits in the queue
-        except SpecError as exc:
-            return Outcome.FAILED, Failure(FailureCause.BAD_SPEC, str(exc))
+        except ClusterfitError as exc:
+            return Outcome.FAILED, failure_for_error(exc)
         env = {**spec.environment_variables, ATTEMPT_ENV: str(attempt)}
         spec = spec.model_copy(update={"environment_variables": env})
         outputs = JobOutputs.at(spec.outputs.dir)
@@ -107,10 +108,8 @@ class Supervisor:
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
             handle = backend.submit(spec)
-        except SpecError as exc:
-            return Outcome.FAILED, Failure(FailureCause.BAD_SPEC, str(exc))
-        except (OSError, RuntimeError, ValueError) as exc:  # e.g. sbatch refused it, the cluster is unreachable
-            return Outcome.FAILED, Failure(FailureCause.ENGINE, f"{backend.name}: {exc}")
+        except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
+            return Outcome.FAILED, failure_for_error(exc, backend.name)
         self.store.update(job.id, engine_ref=dump_json(asdict(handle.ref)))
         try:
             outcome, detail = self._watch(job.id, spec, attempt, handle)
@@ -199,8 +198,24 @@ class Supervisor:
         decision = decide_after_failure(failure.cause, attempt, job.max_retries)
         self.log(f"job {job_id} attempt {attempt} failed: {failure.cause.words}: {failure.summary}. {decision.reason}")
         if decision.decision is Decision.RETRY and job.cancel_requested_at is None:
-            return self.store.transition(job_id, JobState.RETRYING, f"{failure.summary}; {decision.reason}", **fields)
+            job = self.store.transition(job_id, JobState.RETRYING, f"{failure.summary}; {decision.reason}", **fields)
+            return self._pause_before_retry(job, decision.pause_s)
         return self.store.transition(job_id, JobState.FAILED, failure.summary, **fields)
+
+    def _pause_before_retry(self, job: Job, seconds: float) -> Job:
+        """Waits before the next attempt; a cancel request (or Ctrl-C in the foreground) ends the job instead."""
+        deadline = time.monotonic() + seconds
+        try:
+            while self.store.get(job.id).cancel_requested_at is None:
+                if (left := deadline - time.monotonic()) <= 0:
+                    return job
+                time.sleep(min(self.poll_s, left))
+        except KeyboardInterrupt:
+            self.store.request_cancel(job.id)
+        summary = "cancelled by user while waiting to retry"
+        return self.store.transition(
+            job.id, JobState.CANCELLED, summary, cause=FailureCause.CANCELLED.value, cause_detail=summary
+        )
 
 
 def _progress_fields(record: dict) -> dict[str, object]:

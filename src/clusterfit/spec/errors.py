@@ -1,2 +1,5 @@
-class SpecError(ValueError):
-    """A mistake in the user's job spec, phrased as one line that says what to fix."""
+"""`clusterfit.spec.SpecError` is the spec's member of clusterfit's error types (clusterfit/errors.py)."""
+
+from clusterfit.errors import SpecError
+
+__all__ = ["SpecError"]

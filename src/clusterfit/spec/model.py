@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, model_validator
 
 MODEL_NAMES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnet_tiny")
 SYNTHETIC = "synthetic"
+
+
+def is_url(path: str) -> bool:
+    """`scheme://...` (az://, s3://, file://, ...), as opposed to a path on a filesystem."""
+    return re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", path) is not None
 
 
 class _Strict(BaseModel):
@@ -276,6 +282,16 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"trainer.strategy_options.stages = {options.stages} does not divide the {self.world_size} workers; "
                 "choose stages that divide instance_count x process_count_per_instance"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _outputs_is_a_folder(self) -> JobSpec:
+        # NOTE: a URL would silently become a local folder named after its scheme (`az:`).
+        if is_url(self.outputs.dir):
+            raise ValueError(
+                f"outputs.dir = {self.outputs.dir!r}: URLs are not supported yet; give a folder every node sees "
+                "(a shared filesystem)"
             )
         return self
 
