@@ -14,7 +14,14 @@ from clusterfit.backends.slurm import sbatch_refusal
 from clusterfit.data.staging import StagingError
 from clusterfit.errors import ClusterfitError, DataError, EngineError, SpecError
 from clusterfit.outputs import JobOutputs
-from clusterfit.service.causes import Evidence, RankException, classify, failure_for_error, gather_evidence
+from clusterfit.service.causes import (
+    Evidence,
+    RankException,
+    classify,
+    failure_for_error,
+    fatal_in_logs,
+    gather_evidence,
+)
 from clusterfit.service.outputs_claim import OutputsInUse
 from clusterfit.service.states import (
     Decision,
@@ -488,3 +495,19 @@ def test_a_rank_the_agent_stopped_itself_is_never_the_cause(tmp_path: Path) -> N
 def test_when_the_agent_stopped_every_rank_they_are_still_named() -> None:
     evidence = Evidence(exit_code=-15, rank_exits={0: -15, 1: -15}, root_rank=0, stopped_by_agent=frozenset({0, 1}))
     assert classify(evidence).summary == "rank 0 killed by SIGTERM (signal 15)"
+
+
+def test_a_full_shm_in_a_running_ranks_log_dooms_the_job_at_once(tmp_path: Path) -> None:
+    """The DataLoader's queue feeder thread prints the error and drops the batch: the rank itself never fails."""
+    outputs = JobOutputs(tmp_path)
+    outputs.logs.mkdir()
+    outputs.rank_log(0).write_text("12:00:01 epoch 1/1 step 2/8 loss 2.3\n")
+    outputs.rank_log(1).write_text("12:00:01 epoch 1/1 step 2/8 loss 2.3\n")
+    assert fatal_in_logs(outputs) is None
+    with open(outputs.rank_log(1), "a") as log:
+        log.write(
+            '  File "/usr/lib/python3.11/multiprocessing/queues.py", line 244, in _feed\n'
+            "RuntimeError: unable to allocate shared memory(shm) for file </t_1>: No space left on device (28)\n"
+        )
+    failure = fatal_in_logs(outputs)
+    assert failure is not None and failure.cause is FailureCause.SHM and failure.summary.startswith("rank 1: out of")

@@ -112,6 +112,9 @@ def run(
     out = JobOutputs.at(job.outputs_dir)
     console.print(f"job {job.id} ({spec.name}) on the {spec.resources.backend} engine", markup=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` of the launcher cancels the job like Ctrl-C
+    # NOTE: a process started in the background by a non-interactive shell inherits SIGINT ignored, and Python
+    # then never raises KeyboardInterrupt: Ctrl-C (or `kill -INT`) must cancel the job however it was started.
+    signal.signal(signal.SIGINT, _interrupt)
     with LiveView(out, console) as view:
         say = partial(view.bar.console.print, markup=False, highlight=False, soft_wrap=True)
         final = Supervisor(store, job.id, poll_s=0.2, on_tick=view.tick, log=say).run()

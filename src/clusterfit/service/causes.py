@@ -82,8 +82,7 @@ def classify(evidence: Evidence) -> Failure:
     """The most specific cause the evidence supports; the first failing rank is the root cause."""
     for rank, lines in sorted(evidence.log_tails.items()):
         if _out_of_shared_memory(lines):
-            hint = "raise the container's /dev/shm (e.g. docker --shm-size=8g) or set trainer.data.loader_workers: 0"
-            return Failure(FailureCause.SHM, f"rank {rank}: out of shared memory (/dev/shm); {hint}")
+            return _shm_failure(rank)
     for rank, lines in sorted(evidence.log_tails.items()):
         hits = [line for line in lines if _COLLECTIVE_TIMEOUT.search(line)]
         if hits:
@@ -134,6 +133,23 @@ def failure_for_error(error: Exception, engine: str = "") -> Failure:
     if isinstance(error, (SpecError, DataError)):
         return Failure(FailureCause.BAD_SPEC, str(error))
     return Failure(FailureCause.ENGINE, said)
+
+
+def fatal_in_logs(outputs: JobOutputs) -> Failure | None:
+    """A failure the built-in trainer never recovers from, seen in a rank's log while the job still runs.
+
+    NOTE: a DataLoader batch that does not fit in /dev/shm can fail inside multiprocessing's queue feeder thread,
+    which prints the error and drops the batch: the rank then waits for it until the collective timeout (ten
+    minutes by default) instead of failing. Reading it in the log ends such a job within seconds."""
+    for rank, path in sorted(rank_logs(outputs.logs).items()):
+        if _out_of_shared_memory(tuple(tail_lines(path, _TAIL_LINES))):
+            return _shm_failure(rank)
+    return None
+
+
+def _shm_failure(rank: int) -> Failure:
+    hint = "raise the container's /dev/shm (e.g. docker --shm-size=8g) or set trainer.data.loader_workers: 0"
+    return Failure(FailureCause.SHM, f"rank {rank}: out of shared memory (/dev/shm); {hint}")
 
 
 def _out_of_shared_memory(lines: tuple[str, ...]) -> bool:

@@ -31,7 +31,14 @@ from clusterfit.outputs import (
 )
 from clusterfit.outputs.layout import LOG_DIR, rank_log_name
 from clusterfit.processes import process_start_time
-from clusterfit.service.causes import Failure, classify, failure_for_error, gather_evidence, oom_kill_count
+from clusterfit.service.causes import (
+    Failure,
+    classify,
+    failure_for_error,
+    fatal_in_logs,
+    gather_evidence,
+    oom_kill_count,
+)
 from clusterfit.service.outputs_claim import OutputsClaim, claim_outputs
 from clusterfit.service.records import forget_secrets, spec_of
 from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
@@ -145,9 +152,12 @@ class Supervisor:
                 self.store.transition(job_id, JobState.RUNNING, f"attempt {attempt}: {started}")
                 running = True
             now = time.time()
+            doomed = None
             if code is not None or now - recorded_at >= _RECORD_EVERY_S:
                 self._record_progress(job_id, progress, beats)
                 recorded_at = now
+                # Command jobs are left alone: a user's program may survive what would stop the trainer.
+                doomed = fatal_in_logs(outputs) if spec.trainer is not None and code is None else None
             if self.on_tick:
                 self.on_tick()
             if code is not None:
@@ -157,6 +167,11 @@ class Supervisor:
                 handle.cancel()
                 step = self._record_last_progress(job_id, progress, metrics, outputs, attempt)
                 return Outcome.CANCELLED, f"at step {step}"
+            if doomed:  # the cause is read again from the logs once every process is stopped
+                self.log(f"job {job_id}: {doomed.summary}; stopping every process")
+                handle.cancel()
+                self._record_last_progress(job_id, progress, metrics, outputs, attempt)
+                return Outcome.FAILED, doomed.summary
             hung = _hang(beats, spec.limits.hang_timeout, now) if running else None
             if hung:
                 time.sleep(_HANG_GRACE_S)
