@@ -253,6 +253,20 @@ def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> 
             id="sigkill-with-an-oom-kill",
         ),
         pytest.param(
+            Evidence(
+                exit_code=1, rank_exits={1: -9}, oom_kills=1, rank_pids={1: 123}, oom_killed_pids=frozenset({123})
+            ),
+            FailureCause.OOM,
+            "rank 1 killed by the kernel's OOM killer",
+            id="sigkill-the-kernel-log-names-this-pid",
+        ),
+        pytest.param(
+            Evidence(exit_code=1, rank_exits={1: -9}, oom_kills=1, rank_pids={1: 123}, oom_killed_pids=frozenset({77})),
+            FailureCause.SIGNAL,
+            "rank 1 killed by SIGKILL (signal 9)",
+            id="sigkill-while-another-process-on-the-node-was-oom-killed",
+        ),
+        pytest.param(
             Evidence(exit_code=1, rank_exits={0: 1, 1: -9}),
             FailureCause.SIGNAL,
             "rank 1 killed by SIGKILL (signal 9) (by another process or the OOM killer",

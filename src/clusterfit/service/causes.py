@@ -6,6 +6,7 @@ worker started has an error instead of evidence: `failure_for_error` maps it to 
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 from dataclasses import dataclass, field
@@ -66,6 +67,9 @@ class Evidence:
     # names one as its root cause (a SIGKILLed rank has no error file, so a peer's later one can look older).
     stopped_by_agent: frozenset[int] = frozenset()
     oom_kills: int = 0  # OOM kills the kernel counted on this node during the attempt
+    rank_pids: dict[int, int] = field(default_factory=dict)  # rank -> pid, from the agent's summary
+    # Pids the kernel's log says the OOM killer killed; None where that log cannot be read (no CAP_SYSLOG).
+    oom_killed_pids: frozenset[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,11 @@ def classify(evidence: Evidence) -> Failure:
     root_rank = evidence.root_rank if evidence.root_rank not in stopped else None
     root_code = evidence.rank_exits.get(root_rank) if root_rank is not None else None
     if root_code is not None and root_code < 0:  # the others' errors ("connection reset") only follow from it
-        return _killed(root_rank, root_code, evidence.oom_kills)  # type: ignore[arg-type]
+        return _killed(root_rank, root_code, evidence)  # type: ignore[arg-type]
     signalled = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code < 0 and rank not in stopped}
     if signalled and all(_PEER_LOST.search(e.message) for e in evidence.exceptions):
         # Only a lost peer was raised: the killed rank is the cause, whichever agent reported first.
-        return _killed(*next(iter(signalled.items())), evidence.oom_kills)
+        return _killed(*next(iter(signalled.items())), evidence)
     if evidence.exceptions:
         first = next((e for e in evidence.exceptions if e.rank == root_rank), evidence.exceptions[0])
         return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
@@ -158,7 +162,14 @@ def _out_of_shared_memory(lines: tuple[str, ...]) -> bool:
     return any(_SEMAPHORE.search(line) for line in lines) and any(_NO_SPACE.search(line) for line in lines)
 
 
-def _killed(rank: int, code: int, oom_kills: int) -> Failure:
+def _killed(rank: int, code: int, evidence: Evidence) -> Failure:
+    oom_kills = evidence.oom_kills
+    pid = evidence.rank_pids.get(rank)
+    if evidence.oom_killed_pids is not None and pid is not None:
+        # NOTE: the node-wide counter also counts other jobs' OOM kills; the kernel's log names the very pid.
+        # (Inside a container with its own pid namespace the pids differ, but such a container cannot read
+        # the kernel's log either, and the counter decides there.)
+        oom_kills = int(pid in evidence.oom_killed_pids)
     if code == -signal.SIGKILL and oom_kills > 0:
         return Failure(
             FailureCause.OOM,
@@ -188,7 +199,7 @@ def gather_evidence(
     on several nodes, by every node's agent."""
     log_dir = outputs.logs
     agent_lines = _lines_since(outputs.agent_log, agent_log_start)
-    exits, root_rank, stopped_by_agent = _agent_rank_exits(agent_lines)
+    exits, root_rank, stopped_by_agent, pids = _agent_rank_exits(agent_lines)
     return Evidence(
         exit_code=exit_code,
         exceptions=tuple(_exceptions(log_dir)),
@@ -198,6 +209,8 @@ def gather_evidence(
         log_tails={rank: tuple(tail_lines(path, _TAIL_LINES)) for rank, path in rank_logs(log_dir).items()},
         agent_tail=tuple(agent_lines[-_TAIL_LINES:]),
         oom_kills=oom_kills,
+        rank_pids=pids,
+        oom_killed_pids=oom_killed_pids() if oom_kills else None,
     )
 
 
@@ -242,12 +255,15 @@ def _lines_since(path: Path, start: int, max_bytes: int = 1 << 20) -> list[str]:
         return []
 
 
-def _agent_rank_exits(agent_lines: list[str]) -> tuple[dict[int, int], int | None, frozenset[int]]:
+def _agent_rank_exits(
+    agent_lines: list[str],
+) -> tuple[dict[int, int], int | None, frozenset[int], dict[int, int]]:
     """rank -> exit code from the failure summaries torchrun prints when workers fail, and the rank named as
     the root cause (the first failure observed) in the first summary written: with several nodes each agent
     prints its own, and a later one is a peer failing because of the first (e.g. "connection reset"). Also the
-    ranks whose process the agent sent a closing signal to."""
+    ranks whose process the agent sent a closing signal to, and each failed rank's pid."""
     exits: dict[int, int] = {}
+    pids: dict[int, int] = {}
     closed_pids = {int(match.group(1)) for line in agent_lines if (match := _AGENT_CLOSED.search(line))}
     stopped: set[int] = set()
     rank: int | None = None
@@ -267,10 +283,38 @@ def _agent_rank_exits(agent_lines: list[str]) -> tuple[dict[int, int], int | Non
         if exit_match and rank is not None:
             exits[rank] = int(exit_match.group(1))
             pid_match = _AGENT_EXIT_PID.search(line)
-            if pid_match and int(pid_match.group(1)) in closed_pids:
-                stopped.add(rank)
+            if pid_match:
+                pids[rank] = int(pid_match.group(1))
+                if pids[rank] in closed_pids:
+                    stopped.add(rank)
             rank = None
-    return exits, root_rank, frozenset(stopped)
+    return exits, root_rank, frozenset(stopped), pids
+
+
+_KERNEL_OOM_KILL = re.compile(r"Killed process (\d+) \(")
+
+
+def oom_killed_pids() -> frozenset[int] | None:
+    """The pids the kernel's log (/dev/kmsg, still in its ring buffer) says the OOM killer killed; None where
+    that log cannot be read."""
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    pids = set()
+    try:
+        while True:
+            try:
+                record = os.read(fd, 8192).decode(errors="replace")
+            except BlockingIOError:  # the end of the buffer
+                break
+            except OSError:  # EPIPE: a record was overwritten while reading; the next read goes on
+                continue
+            if match := _KERNEL_OOM_KILL.search(record):
+                pids.add(int(match.group(1)))
+    finally:
+        os.close(fd)
+    return frozenset(pids)
 
 
 def oom_kill_count() -> int:
