@@ -26,8 +26,12 @@ demo: $(STAMP)
 services:
 	@$(PYTHON) tests/services.py
 
+# Most tests wait on real processes (jobs, services, timeouts) more than they compute, so they run three at a
+# time; tests that share one Ray or Slurm cluster are grouped onto one worker (xdist_group).
+TEST_WORKERS ?= 3
+
 test: $(STAMP) services
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

@@ -71,6 +71,7 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) ->
 
 
 @pytest.mark.slow  # a local Ray instance starts in about a minute on 2 busy cores
+@pytest.mark.xdist_group("ray")  # beside the test Ray cluster, never at the same time as its tests
 def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path) -> None:
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",

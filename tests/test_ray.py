@@ -21,6 +21,9 @@ from test_command_jobs import command_job, user_code
 from clusterfit.backends.ray import AgentState, job_exit_code
 from clusterfit.service.migrate import open_store
 
+# One worker runs them all: they share one ray cluster, started once per session.
+pytestmark = pytest.mark.xdist_group("ray")
+
 ON_RAY = [
     "--set",
     "resources.backend=ray",

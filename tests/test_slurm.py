@@ -20,6 +20,9 @@ from clusterfit.backends.slurm import SCRIPT, sbatch_script
 from clusterfit.service.migrate import open_store
 from clusterfit.spec import validate_spec
 
+# One worker runs them all: they share one slurm cluster, started once per session.
+pytestmark = pytest.mark.xdist_group("slurm")
+
 EXPECTED = REPO / "tests" / "data" / "slurm"
 
 
