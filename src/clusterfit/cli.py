@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
@@ -18,6 +18,7 @@ from clusterfit.bench.cli import bench_app
 from clusterfit.console import console, errors
 from clusterfit.console import fail as _fail
 from clusterfit.outputs import JobOutputs
+from clusterfit.service.jobs import JobService, ServiceError
 from clusterfit.spec import JobSpec, SpecError, load_spec
 
 app = typer.Typer(
@@ -51,16 +52,15 @@ TokenOption = Annotated[
 ]
 
 
-def _load(spec_file: Path, overrides: list[str] | None, backend: str | None = None) -> JobSpec:
-    overrides = [*(overrides or []), *([f"resources.backend={backend}"] if backend else [])]
-    try:
-        spec = load_spec(spec_file, overrides)
-        from clusterfit.launch import preflight  # imports torch: only once the spec itself is valid
+def _with_backend(overrides: list[str] | None, backend: str | None) -> list[str]:
+    return [*(overrides or []), *([f"resources.backend={backend}"] if backend else [])]
 
-        preflight(spec)
-    except SpecError as exc:
-        raise _fail(str(exc)) from None
-    return spec
+
+def _load(spec_file: Path, overrides: list[str] | None, backend: str | None = None) -> JobSpec:
+    from clusterfit.service.local_jobs import checked_spec
+
+    with _one_line_errors():
+        return checked_spec(lambda: load_spec(spec_file, _with_backend(overrides, backend)))
 
 
 @app.command()
@@ -94,13 +94,14 @@ def run(
         console.print(rendered.as_text(), markup=False, soft_wrap=True)
         return
     from clusterfit.monitoring.progress import LiveView
+    from clusterfit.service.local_jobs import local_user
     from clusterfit.service.records import record_job
     from clusterfit.service.scheduler import schedule
     from clusterfit.service.states import FailureCause, JobState
     from clusterfit.service.supervisor import Supervisor
 
     store = _store()
-    job = record_job(store, spec, owner=_user())
+    job = record_job(store, spec, owner=local_user())
     out = JobOutputs.at(job.outputs_dir)
     console.print(f"job {job.id} ({spec.name}) on the {spec.resources.backend} engine", markup=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` of the launcher cancels the job like Ctrl-C
@@ -148,20 +149,28 @@ def _store():  # noqa: ANN202 - the type lives in a module imported on demand
         raise _fail(str(exc), 1) from None
 
 
-def _user() -> str:
-    return os.environ.get("USER") or os.environ.get("LOGNAME") or str(os.getuid())
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """A refusal of the job service (or an unreachable server) becomes its line and its exit code."""
+    try:
+        yield
+    except ServiceError as exc:
+        raise _fail(str(exc), exc.exit_code) from None
 
 
 @contextlib.contextmanager
-def _remote(server: str, token: str | None):  # noqa: ANN202
-    """A client of the server; any refusal or unreachable server becomes one line and an exit code."""
-    from clusterfit.service.client import ServiceClient, ServiceError
+def _jobs(server: str | None, token: str | None) -> Iterator[JobService]:
+    """The job service this command talks to: the server at --server, else this machine's store."""
+    with _one_line_errors():
+        if server:
+            from clusterfit.service.client import ServiceClient
 
-    try:
-        with ServiceClient(server, token) as client:
-            yield client
-    except ServiceError as exc:
-        raise _fail(str(exc), exc.exit_code) from None
+            with ServiceClient(server, token) as client:
+                yield client
+        else:
+            from clusterfit.service.local_jobs import LocalJobs
+
+            yield LocalJobs(_store())
 
 
 @app.command()
@@ -175,20 +184,8 @@ def submit(
     """Check a job on this machine, queue it, and print its id at once; it starts when there is room.
 
     With --server the server checks the spec (paths in it are the server's) and queues it."""
-    from clusterfit.service.records import record_job
-    from clusterfit.service.scheduler import schedule
-
-    if server:
-        remote_overrides = [*(overrides or []), *([f"resources.backend={backend_name}"] if backend_name else [])]
-        with _remote(server, token) as client:
-            console.print(client.submit(spec_file, remote_overrides)["id"], markup=False)
-        return
-
-    spec = _load(spec_file, overrides, backend_name)
-    store = _store()
-    job = record_job(store, spec, owner=_user())
-    schedule(store)
-    console.print(job.id, markup=False)
+    with _jobs(server, token) as jobs:
+        console.print(jobs.submit(spec_file, _with_backend(overrides, backend_name))["id"], markup=False)
 
 
 @app.command("list")
@@ -199,41 +196,13 @@ def list_jobs(
     token: TokenOption = None,
 ) -> None:
     """The jobs, newest first: id, name, state, engine, ranks, progress, age."""
+    from clusterfit.service.jobs import parse_state
     from clusterfit.service.render import jobs_table
-    from clusterfit.service.scheduler import reconcile
-    from clusterfit.service.views import job_row
 
-    wanted = _state(state)
-    if server:
-        with _remote(server, token) as client:
-            console.print(jobs_table(client.rows(wanted.value if wanted else None, limit)))
-        return
-    store = _store()
-    reconcile(store)
-    console.print(jobs_table([job_row(job) for job in store.list_jobs(wanted, limit)]))
-
-
-def _state(name: str | None):  # noqa: ANN202
-    from clusterfit.service.states import JobState
-
-    if name is None:
-        return None
-    try:
-        return JobState(name.upper())
-    except ValueError:
-        allowed = ", ".join(state.value.lower() for state in JobState)
-        raise _fail(f"--state {name!r} is not a job state; use one of: {allowed}") from None
-
-
-def _job(store, job_id: str):  # noqa: ANN001, ANN202
-    from clusterfit.service.scheduler import reconcile
-    from clusterfit.service.store import JobNotFound
-
-    reconcile(store)  # never show a job as running whose processes are gone
-    try:
-        return store.get(job_id)
-    except JobNotFound as exc:
-        raise _fail(str(exc)) from None
+    with _one_line_errors():
+        wanted = parse_state(state, "--state")
+    with _jobs(server, token) as jobs:
+        console.print(jobs_table(jobs.list_jobs(wanted, limit)))
 
 
 JobArgument = Annotated[str, typer.Argument(metavar="JOB", help="A job id (or a unique prefix of one).")]
@@ -243,14 +212,9 @@ JobArgument = Annotated[str, typer.Argument(metavar="JOB", help="A job id (or a 
 def status(job_id: JobArgument, server: ServerOption = None, token: TokenOption = None) -> None:
     """A job's state, progress, per-rank health and, if it failed, why."""
     from clusterfit.service.render import status_lines
-    from clusterfit.service.views import job_status
 
-    if server:
-        with _remote(server, token) as client:
-            found = client.status(job_id)
-    else:
-        store = _store()
-        found = job_status(store, _job(store, job_id))
+    with _jobs(server, token) as jobs:
+        found = jobs.status(job_id)
     for line in status_lines(found):
         console.print(line, markup=False, soft_wrap=True)
 
@@ -258,32 +222,12 @@ def status(job_id: JobArgument, server: ServerOption = None, token: TokenOption 
 @app.command()
 def show(job_id: JobArgument, server: ServerOption = None, token: TokenOption = None) -> None:
     """Everything about a job: resolved spec, history, outputs, metrics, checkpoints."""
-    import yaml
+    from clusterfit.service.render import details_lines
 
-    from clusterfit.service.render import history_lines, status_lines
-    from clusterfit.service.views import job_details
-
-    if server:
-        with _remote(server, token) as client:
-            details = client.details(job_id)
-    else:
-        store = _store()
-        details = job_details(store, _job(store, job_id))
-    for line in status_lines(details):
+    with _jobs(server, token) as jobs:
+        details = jobs.details(job_id)
+    for line in details_lines(details):
         console.print(line, markup=False, soft_wrap=True)
-    console.print("history:", markup=False)
-    for line in history_lines(details):
-        console.print(line, markup=False, soft_wrap=True)
-    console.print(f"outputs: {details['outputs_dir']}", markup=False)
-    for path in details["model_files"]:
-        console.print(f"  model: {path}", markup=False)
-    for path in details["checkpoints"]:
-        console.print(f"  checkpoint: {path}", markup=False)
-    console.print(f"  metrics: {details['metrics_file']}  tensorboard: {details['tensorboard_dir']}", markup=False)
-    if details["summary"]:
-        console.print(f"summary: {json.dumps(details['summary'].get('epochs', []))}", markup=False, soft_wrap=True)
-    console.print("spec:", markup=False)
-    console.print(yaml.safe_dump(details["spec"], sort_keys=False), markup=False, end="")
 
 
 @app.command()
@@ -295,48 +239,11 @@ def logs(
     token: TokenOption = None,
 ) -> None:
     """Every rank's log merged, each line labelled with its rank and node; -f follows it live."""
-    import time
+    from clusterfit.service.jobs import follow_logs
 
-    from clusterfit.monitoring.logtail import LogFollower
-    from clusterfit.outputs import read_heartbeats
-
-    if server:
-        with _remote(server, token) as client:
-            _follow_remote_logs(client, job_id, rank, follow)
-        return
-    store = _store()
-    job = _job(store, job_id)
-    outputs = JobOutputs.at(job.outputs_dir)
-
-    def node_of(rank_number: int) -> str | None:
-        beat = read_heartbeats(outputs).get(rank_number)
-        return beat.host if beat else None
-
-    follower = LogFollower(outputs.logs, from_start=True, ranks=None if rank is None else {rank}, node_of=node_of)
-    while True:
-        ended = store.get(job.id).job_state.is_terminal
-        for line in follower.drain() if ended or not follow else follower.poll():
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-        if ended or not follow:
-            return
-        time.sleep(0.5)
-        _job(store, job.id)  # reconcile: a dead job's follower must end too
-
-
-def _follow_remote_logs(client, job_id: str, rank: int | None, follow: bool) -> None:  # noqa: ANN001
-    import time
-
-    cursor = None
-    while True:
-        chunk = client.logs(job_id, cursor, rank)
-        cursor = chunk["cursor"]
-        for line in chunk["lines"]:
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-        if chunk["more"]:
-            continue
-        if chunk["ended"] or not follow:
-            return
-        time.sleep(0.5)
+    emit = partial(console.print, markup=False, highlight=False, soft_wrap=True)
+    with _jobs(server, token) as jobs:
+        follow_logs(jobs, job_id, emit, rank=rank, follow=follow)
 
 
 @app.command()
@@ -347,55 +254,10 @@ def cancel(
     token: TokenOption = None,
 ) -> None:
     """Stop every process of a job and mark it CANCELLED; a queued job never starts."""
-    import time
+    from clusterfit.service.jobs import cancel_and_wait
 
-    from clusterfit.service.scheduler import schedule
-    from clusterfit.service.states import FailureCause, IllegalTransition, JobState
-    from clusterfit.service.store import StateConflict
-
-    if server:
-        with _remote(server, token) as client:
-            _cancel_remote(client, job_id, wait)
-        return
-
-    store = _store()
-    job = _job(store, job_id)
-    if job.job_state.is_terminal:
-        raise _fail(f"job {job.id} already ended {job.state}; nothing to cancel")
-    store.request_cancel(job.id)
-    if job.job_state is JobState.QUEUED:
-        # If it was started meanwhile, its supervisor sees the request instead.
-        with contextlib.suppress(StateConflict, IllegalTransition):
-            store.transition(
-                job.id, JobState.CANCELLED, "cancelled by user while queued", cause=FailureCause.CANCELLED.value
-            )
-    deadline = time.monotonic() + wait
-    while not (job := _job(store, job.id)).job_state.is_terminal:
-        if time.monotonic() > deadline:
-            raise _fail(
-                f"job {job.id} is still {job.state} after {wait:g} s; run `clusterfit cancel {job.id}` again", 1
-            )
-        time.sleep(0.2)
-    schedule(store)
-    console.print(f"job {job.id} {job.state}", markup=False)
-
-
-def _cancel_remote(client, job_id: str, wait: float) -> None:  # noqa: ANN001
-    import time
-
-    from clusterfit.service.states import JobState
-
-    found = client.cancel(job_id)
-    deadline = time.monotonic() + wait
-    while not JobState(found["state"]).is_terminal:
-        if time.monotonic() > deadline:
-            raise _fail(
-                f"job {found['id']} is still {found['state']} after {wait:g} s; run `clusterfit cancel {found['id']}` "
-                "again",
-                1,
-            )
-        time.sleep(0.2)
-        found = client.status(found["id"])
+    with _jobs(server, token) as jobs:
+        found = cancel_and_wait(jobs, job_id, wait)
     console.print(f"job {found['id']} {found['state']}", markup=False)
 
 
