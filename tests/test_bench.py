@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import REPO, run_cli
@@ -71,7 +72,6 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) ->
 
 
 @pytest.mark.slow  # a local Ray instance starts in about a minute on 2 busy cores
-@pytest.mark.xdist_group("ray")  # beside the test Ray cluster, never at the same time as its tests
 def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path) -> None:
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",
@@ -83,6 +83,33 @@ def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path) -> None:
     assert ray["workers"] == 2 and ray["threads_per_rank"] >= 1 and len(ray["step_images_per_s"]) == 3
     assert report["ratios"][0]["clusterfit_over_ray_train"] > 0
     assert "clusterfit ÷ Ray Train" in result.stdout and "| resnet_tiny | 2 | Ray Train |" in result.stdout
+
+
+def test_the_baselines_ship_inside_the_package_and_run_from_anywhere(tmp_path, monkeypatch) -> None:
+    import ast
+    import importlib.util
+
+    import setuptools
+
+    import clusterfit
+    from clusterfit.bench.train import BASELINE_MODULE, RAY_MODULE, TrainBenchConfig, run_baseline
+
+    package = Path(clusterfit.__file__).parent
+    assert "clusterfit.bench.baselines" in setuptools.find_packages(str(REPO / "src"))  # what pyproject installs
+    for module in (BASELINE_MODULE, RAY_MODULE):
+        source = Path(importlib.util.find_spec(module).origin)
+        assert source.is_relative_to(package / "bench" / "baselines"), source
+        # Hand-written plain PyTorch: of clusterfit they may import only each other.
+        imported = [
+            node.module if isinstance(node, ast.ImportFrom) else alias.name
+            for node in ast.walk(ast.parse(source.read_text()))
+            if isinstance(node, ast.Import | ast.ImportFrom)
+            for alias in node.names
+        ]
+        assert all(not name.startswith("clusterfit") or name == BASELINE_MODULE for name in imported), imported
+    monkeypatch.chdir(tmp_path)  # nowhere near the repository
+    config = TrainBenchConfig(models=("resnet_tiny",), workers=(1,), image_size=32, batch=2, steps=2, warmup=1)
+    assert len(run_baseline(config, "resnet_tiny", 1, "fp32")) == 2
 
 
 def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:

@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
+from clusterfit.bench.cli import bench_app
+from clusterfit.console import console, errors
+from clusterfit.console import fail as _fail
 from clusterfit.errors import ClusterfitError
 from clusterfit.outputs import JobOutputs
+from clusterfit.service.jobs import JobService, ServiceError
 from clusterfit.spec import JobSpec, load_spec
 
 app = typer.Typer(
@@ -26,8 +28,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-console = Console(highlight=False)
-errors = Console(stderr=True, highlight=False)
 
 BackendOption = Annotated[
     Optional[str],  # noqa: UP045 - typer needs Optional here
@@ -53,22 +53,15 @@ TokenOption = Annotated[
 ]
 
 
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    for line in message.splitlines():
-        errors.print(f"[red]error:[/red] {escape(line)}", soft_wrap=True)
-    return typer.Exit(code)
+def _with_backend(overrides: list[str] | None, backend: str | None) -> list[str]:
+    return [*(overrides or []), *([f"resources.backend={backend}"] if backend else [])]
 
 
 def _load(spec_file: Path, overrides: list[str] | None, backend: str | None = None) -> JobSpec:
-    overrides = [*(overrides or []), *([f"resources.backend={backend}"] if backend else [])]
-    try:
-        spec = load_spec(spec_file, overrides)
-        from clusterfit.launch import preflight  # imports torch: only once the spec itself is valid
+    from clusterfit.service.local_jobs import checked_spec
 
-        preflight(spec)
-    except ClusterfitError as exc:
-        raise _fail(str(exc)) from None
-    return spec
+    with _one_line_errors():
+        return checked_spec(lambda: load_spec(spec_file, _with_backend(overrides, backend)))
 
 
 @app.command()
@@ -102,13 +95,14 @@ def run(
         console.print(rendered.as_text(), markup=False, soft_wrap=True)
         return
     from clusterfit.monitoring.progress import LiveView
+    from clusterfit.service.local_jobs import local_user
     from clusterfit.service.records import record_job
     from clusterfit.service.scheduler import schedule
     from clusterfit.service.states import JobState
     from clusterfit.service.supervisor import Supervisor
 
     store = _store()
-    job = record_job(store, spec, owner=_user())
+    job = record_job(store, spec, owner=local_user())
     out = JobOutputs.at(job.outputs_dir)
     console.print(f"job {job.id} ({spec.name}) on the {spec.resources.backend} engine", markup=False)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill` of the launcher cancels the job like Ctrl-C
@@ -161,20 +155,28 @@ def _store():  # noqa: ANN202 - the type lives in a module imported on demand
         raise _fail(str(exc), 1) from None
 
 
-def _user() -> str:
-    return os.environ.get("USER") or os.environ.get("LOGNAME") or str(os.getuid())
+@contextlib.contextmanager
+def _one_line_errors() -> Iterator[None]:
+    """A refusal of the job service (or an unreachable server) becomes its line and its exit code."""
+    try:
+        yield
+    except ServiceError as exc:
+        raise _fail(str(exc), exc.exit_code) from None
 
 
 @contextlib.contextmanager
-def _remote(server: str, token: str | None):  # noqa: ANN202
-    """A client of the server; any refusal or unreachable server becomes one line and an exit code."""
-    from clusterfit.service.client import ServiceClient, ServiceError
+def _jobs(server: str | None, token: str | None) -> Iterator[JobService]:
+    """The job service this command talks to: the server at --server, else this machine's store."""
+    with _one_line_errors():
+        if server:
+            from clusterfit.service.client import ServiceClient
 
-    try:
-        with ServiceClient(server, token) as client:
-            yield client
-    except ServiceError as exc:
-        raise _fail(str(exc), exc.exit_code) from None
+            with ServiceClient(server, token) as client:
+                yield client
+        else:
+            from clusterfit.service.local_jobs import LocalJobs
+
+            yield LocalJobs(_store())
 
 
 @app.command()
@@ -188,20 +190,8 @@ def submit(
     """Check a job on this machine, queue it, and print its id at once; it starts when there is room.
 
     With --server the server checks the spec (paths in it are the server's) and queues it."""
-    from clusterfit.service.records import record_job
-    from clusterfit.service.scheduler import schedule
-
-    if server:
-        remote_overrides = [*(overrides or []), *([f"resources.backend={backend_name}"] if backend_name else [])]
-        with _remote(server, token) as client:
-            console.print(client.submit(spec_file, remote_overrides)["id"], markup=False)
-        return
-
-    spec = _load(spec_file, overrides, backend_name)
-    store = _store()
-    job = record_job(store, spec, owner=_user())
-    schedule(store)
-    console.print(job.id, markup=False)
+    with _jobs(server, token) as jobs:
+        console.print(jobs.submit(spec_file, _with_backend(overrides, backend_name))["id"], markup=False)
 
 
 @app.command("list")
@@ -212,41 +202,13 @@ def list_jobs(
     token: TokenOption = None,
 ) -> None:
     """The jobs, newest first: id, name, state, engine, ranks, progress, age."""
+    from clusterfit.service.jobs import parse_state
     from clusterfit.service.render import jobs_table
-    from clusterfit.service.scheduler import reconcile
-    from clusterfit.service.views import job_row
 
-    wanted = _state(state)
-    if server:
-        with _remote(server, token) as client:
-            console.print(jobs_table(client.rows(wanted.value if wanted else None, limit)))
-        return
-    store = _store()
-    reconcile(store)
-    console.print(jobs_table([job_row(job) for job in store.list_jobs(wanted, limit)]))
-
-
-def _state(name: str | None):  # noqa: ANN202
-    from clusterfit.service.states import JobState
-
-    if name is None:
-        return None
-    try:
-        return JobState(name.upper())
-    except ValueError:
-        allowed = ", ".join(state.value.lower() for state in JobState)
-        raise _fail(f"--state {name!r} is not a job state; use one of: {allowed}") from None
-
-
-def _job(store, job_id: str):  # noqa: ANN001, ANN202
-    from clusterfit.service.scheduler import reconcile
-    from clusterfit.service.store import JobNotFound
-
-    reconcile(store)  # never show a job as running whose processes are gone
-    try:
-        return store.get(job_id)
-    except JobNotFound as exc:
-        raise _fail(str(exc)) from None
+    with _one_line_errors():
+        wanted = parse_state(state, "--state")
+    with _jobs(server, token) as jobs:
+        console.print(jobs_table(jobs.list_jobs(wanted, limit)))
 
 
 JobArgument = Annotated[str, typer.Argument(metavar="JOB", help="A job id (or a unique prefix of one).")]
@@ -256,14 +218,9 @@ JobArgument = Annotated[str, typer.Argument(metavar="JOB", help="A job id (or a 
 def status(job_id: JobArgument, server: ServerOption = None, token: TokenOption = None) -> None:
     """A job's state, progress, per-rank health and, if it failed, why."""
     from clusterfit.service.render import status_lines
-    from clusterfit.service.views import job_status
 
-    if server:
-        with _remote(server, token) as client:
-            found = client.status(job_id)
-    else:
-        store = _store()
-        found = job_status(store, _job(store, job_id))
+    with _jobs(server, token) as jobs:
+        found = jobs.status(job_id)
     for line in status_lines(found):
         console.print(line, markup=False, soft_wrap=True)
 
@@ -271,32 +228,12 @@ def status(job_id: JobArgument, server: ServerOption = None, token: TokenOption 
 @app.command()
 def show(job_id: JobArgument, server: ServerOption = None, token: TokenOption = None) -> None:
     """Everything about a job: resolved spec, history, outputs, metrics, checkpoints."""
-    import yaml
+    from clusterfit.service.render import details_lines
 
-    from clusterfit.service.render import history_lines, status_lines
-    from clusterfit.service.views import job_details
-
-    if server:
-        with _remote(server, token) as client:
-            details = client.details(job_id)
-    else:
-        store = _store()
-        details = job_details(store, _job(store, job_id))
-    for line in status_lines(details):
+    with _jobs(server, token) as jobs:
+        details = jobs.details(job_id)
+    for line in details_lines(details):
         console.print(line, markup=False, soft_wrap=True)
-    console.print("history:", markup=False)
-    for line in history_lines(details):
-        console.print(line, markup=False, soft_wrap=True)
-    console.print(f"outputs: {details['outputs_dir']}", markup=False)
-    for path in details["model_files"]:
-        console.print(f"  model: {path}", markup=False)
-    for path in details["checkpoints"]:
-        console.print(f"  checkpoint: {path}", markup=False)
-    console.print(f"  metrics: {details['metrics_file']}  tensorboard: {details['tensorboard_dir']}", markup=False)
-    if details["summary"]:
-        console.print(f"summary: {json.dumps(details['summary'].get('epochs', []))}", markup=False, soft_wrap=True)
-    console.print("spec:", markup=False)
-    console.print(yaml.safe_dump(details["spec"], sort_keys=False), markup=False, end="")
 
 
 @app.command()
@@ -308,48 +245,11 @@ def logs(
     token: TokenOption = None,
 ) -> None:
     """Every rank's log merged, each line labelled with its rank and node; -f follows it live."""
-    import time
+    from clusterfit.service.jobs import follow_logs
 
-    from clusterfit.monitoring.logtail import LogFollower
-    from clusterfit.outputs import read_heartbeats
-
-    if server:
-        with _remote(server, token) as client:
-            _follow_remote_logs(client, job_id, rank, follow)
-        return
-    store = _store()
-    job = _job(store, job_id)
-    outputs = JobOutputs.at(job.outputs_dir)
-
-    def node_of(rank_number: int) -> str | None:
-        beat = read_heartbeats(outputs).get(rank_number)
-        return beat.host if beat else None
-
-    follower = LogFollower(outputs.logs, from_start=True, ranks=None if rank is None else {rank}, node_of=node_of)
-    while True:
-        ended = store.get(job.id).job_state.is_terminal
-        for line in follower.drain() if ended or not follow else follower.poll():
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-        if ended or not follow:
-            return
-        time.sleep(0.5)
-        _job(store, job.id)  # reconcile: a dead job's follower must end too
-
-
-def _follow_remote_logs(client, job_id: str, rank: int | None, follow: bool) -> None:  # noqa: ANN001
-    import time
-
-    cursor = None
-    while True:
-        chunk = client.logs(job_id, cursor, rank)
-        cursor = chunk["cursor"]
-        for line in chunk["lines"]:
-            console.print(line, markup=False, highlight=False, soft_wrap=True)
-        if chunk["more"]:
-            continue
-        if chunk["ended"] or not follow:
-            return
-        time.sleep(0.5)
+    emit = partial(console.print, markup=False, highlight=False, soft_wrap=True)
+    with _jobs(server, token) as jobs:
+        follow_logs(jobs, job_id, emit, rank=rank, follow=follow)
 
 
 @app.command()
@@ -360,55 +260,10 @@ def cancel(
     token: TokenOption = None,
 ) -> None:
     """Stop every process of a job and mark it CANCELLED; a queued job never starts."""
-    import time
+    from clusterfit.service.jobs import cancel_and_wait
 
-    from clusterfit.service.scheduler import schedule
-    from clusterfit.service.states import FailureCause, IllegalTransition, JobState
-    from clusterfit.service.store import StateConflict
-
-    if server:
-        with _remote(server, token) as client:
-            _cancel_remote(client, job_id, wait)
-        return
-
-    store = _store()
-    job = _job(store, job_id)
-    if job.job_state.is_terminal:
-        raise _fail(f"job {job.id} already ended {job.state}; nothing to cancel")
-    store.request_cancel(job.id)
-    if job.job_state is JobState.QUEUED:
-        # If it was started meanwhile, its supervisor sees the request instead.
-        with contextlib.suppress(StateConflict, IllegalTransition):
-            store.transition(
-                job.id, JobState.CANCELLED, "cancelled by user while queued", cause=FailureCause.CANCELLED.value
-            )
-    deadline = time.monotonic() + wait
-    while not (job := _job(store, job.id)).job_state.is_terminal:
-        if time.monotonic() > deadline:
-            raise _fail(
-                f"job {job.id} is still {job.state} after {wait:g} s; run `clusterfit cancel {job.id}` again", 1
-            )
-        time.sleep(0.2)
-    schedule(store)
-    console.print(f"job {job.id} {job.state}", markup=False)
-
-
-def _cancel_remote(client, job_id: str, wait: float) -> None:  # noqa: ANN001
-    import time
-
-    from clusterfit.service.states import JobState
-
-    found = client.cancel(job_id)
-    deadline = time.monotonic() + wait
-    while not JobState(found["state"]).is_terminal:
-        if time.monotonic() > deadline:
-            raise _fail(
-                f"job {found['id']} is still {found['state']} after {wait:g} s; run `clusterfit cancel {found['id']}` "
-                "again",
-                1,
-            )
-        time.sleep(0.2)
-        found = client.status(found["id"])
+    with _jobs(server, token) as jobs:
+        found = cancel_and_wait(jobs, job_id, wait)
     console.print(f"job {found['id']} {found['state']}", markup=False)
 
 
@@ -566,181 +421,7 @@ def data_stage(
     console.print(describe(report), markup=False, soft_wrap=True)
 
 
-bench_app = typer.Typer(help="Measure clusterfit's parts on this machine.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
-
-
-@bench_app.command("data")
-def bench_data(
-    images: Annotated[int, typer.Option(min=1, help="Photos to generate and read once per pipeline.")] = 400,
-    batch_size: Annotated[int, typer.Option(min=1, help="Images per batch.")] = 32,
-    image_size: Annotated[int, typer.Option(min=16, help="RandomResizedCrop output side.")] = 224,
-    max_side: Annotated[int, typer.Option(min=16, help="--max-side of the packed dataset.")] = 320,
-) -> None:
-    """Images/s per CPU core of decode + RandomResizedCrop + flip on real photos: torchvision's ImageFolder +
-    PIL transforms vs clusterfit's folder reader vs clusterfit's shards, side by side (needs clusterfit[bench])."""
-    from clusterfit.bench.data import DataBenchConfig, run_data_bench
-
-    try:
-        config = DataBenchConfig(images=images, batch_size=batch_size, image_size=image_size, max_side=max_side)
-        report = run_data_bench(config)
-    except ClusterfitError as exc:
-        raise _fail(str(exc)) from None
-    console.print(report.markdown(), markup=False, soft_wrap=True)
-
-
-@bench_app.command("train")
-def bench_train(
-    models: Annotated[str, typer.Option(help="Comma-separated model names.")] = "resnet18,resnet50",
-    workers: Annotated[str, typer.Option(help="Comma-separated worker (rank) counts on this machine.")] = "1,2",
-    image_size: Annotated[int, typer.Option(min=16, max=1024, help="Side of the synthetic images.")] = 128,
-    batch: Annotated[int, typer.Option(min=1, help="Images per rank per step.")] = 16,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps per run.")] = 30,
-    warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
-    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for every system.")] = "auto",
-    ray: Annotated[bool, typer.Option(help="Also run the loop under Ray Train's TorchTrainer (the ray extra).")] = True,
-    cores_per_rank: Annotated[
-        Optional[int],  # noqa: UP045 - typer needs Optional here
-        typer.Option(help="Run a cell of n ranks on n x this many cores (CPU affinity); default: all cores shared."),
-    ] = None,
-    out: Annotated[Path, typer.Option(help="Folder for train.json and train.png.")] = Path("benchmarks/results"),
-) -> None:
-    """Training images/s of clusterfit vs a hand-written torchrun + DDP loop and the same loop under Ray Train,
-    per model x worker count, with weak-scaling efficiency and the step time split into compute, communication
-    and data wait; writes JSON and a PNG chart (needs matplotlib: the bench extra)."""
-    from clusterfit.bench.train import RESULTS_JSON, RESULTS_PNG, TrainBenchConfig, parse_list, run_train_bench
-
-    try:
-        config = TrainBenchConfig(
-            models=parse_list("--models", models),
-            workers=parse_list("--workers", workers, int),
-            image_size=image_size,
-            batch=batch,
-            steps=steps,
-            warmup=warmup,
-            precision=precision,
-            ray=ray,
-            cores_per_rank=cores_per_rank,
-        )
-        report = run_train_bench(config, out)
-    except ClusterfitError as exc:
-        raise _fail(str(exc)) from None
-    console.print(report.markdown(), markup=False, soft_wrap=True)
-    console.print(f"results: {out / RESULTS_JSON}  chart: {out / RESULTS_PNG}", markup=False)
-
-
-@bench_app.command("ckpt")
-def bench_ckpt(
-    model: Annotated[str, typer.Option(help="Model to checkpoint.")] = "resnet50",
-    workers: Annotated[int, typer.Option(min=1, help="Worker (rank) count on this machine.")] = 2,
-    image_size: Annotated[int, typer.Option(min=16, max=1024, help="Side of the synthetic images.")] = 64,
-    batch: Annotated[int, typer.Option(min=1, help="Images per rank per step.")] = 8,
-    steps: Annotated[int, typer.Option(min=2, help="Training steps per run.")] = 40,
-    every: Annotated[int, typer.Option(min=1, help="Steps between checkpoints.")] = 5,
-    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16.")] = "auto",
-    directory: Annotated[
-        Optional[Path],  # noqa: UP045 - typer needs Optional here
-        typer.Option(help="Where the checkpoints are written (the disk measured); a temp folder by default."),
-    ] = None,
-    out: Annotated[Path, typer.Option(help="Folder for ckpt.json.")] = Path("benchmarks/results"),
-) -> None:
-    """Time the training loop stands still per checkpoint, synchronous vs asynchronous saving
-    (trainer.checkpoint.async_save), and what each costs the whole run against no checkpoints."""
-    from clusterfit.bench.ckpt import RESULTS_JSON, CkptBenchConfig, run_ckpt_bench
-
-    try:
-        config = CkptBenchConfig(
-            model=model,
-            workers=workers,
-            image_size=image_size,
-            batch=batch,
-            steps=steps,
-            every=every,
-            precision=precision,
-            directory=directory,
-        )
-        report = run_ckpt_bench(config, out)
-    except ClusterfitError as exc:
-        raise _fail(str(exc)) from None
-    console.print(report.markdown(), markup=False, soft_wrap=True)
-    console.print(f"async stall / sync stall: {report.stall_ratio:.3f}  results: {out / RESULTS_JSON}", markup=False)
-
-
-@bench_app.command("comm")
-def bench_comm(
-    workers: Annotated[int, typer.Option(min=2, help="Ranks on this machine.")] = 2,
-    sizes: Annotated[
-        str, typer.Option(help="Comma-separated all-reduce sizes in bytes (default 1 KiB to 64 MiB and 100 MiB).")
-    ] = "",
-    repeats: Annotated[int, typer.Option(min=1, help="Timed all-reduces per size; the median counts.")] = 10,
-    model: Annotated[str, typer.Option(help="Model of the bucket-size sweep.")] = "resnet50",
-    buckets_mb: Annotated[
-        str, typer.Option(help="Comma-separated trainer.ddp_bucket_cap_mb values; empty skips the sweep.")
-    ] = "1,5,25,100",
-    image_size: Annotated[int, typer.Option(min=16, max=1024, help="Side of the synthetic images.")] = 64,
-    batch: Annotated[int, typer.Option(min=1, help="Images per rank per step.")] = 8,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps per bucket size.")] = 20,
-    warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
-    precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16.")] = "auto",
-    out: Annotated[Path, typer.Option(help="Folder for comm.json.")] = Path("benchmarks/results"),
-) -> None:
-    """All-reduce time, algorithm and bus bandwidth (2(n-1)/n x bytes / time) over message sizes (gloo on CPU,
-    NCCL on GPUs), and the median training step of a model for each DDP bucket size."""
-    from clusterfit.bench.comm import RESULTS_JSON, CommBenchConfig, run_comm_bench
-    from clusterfit.bench.train import parse_list
-
-    try:
-        settings = {"sizes": parse_list("--sizes", sizes, int)} if sizes.strip() else {}
-        config = CommBenchConfig(
-            workers=workers,
-            repeats=repeats,
-            model=model,
-            buckets_mb=parse_list("--buckets-mb", buckets_mb, float),
-            image_size=image_size,
-            batch=batch,
-            steps=steps,
-            warmup=warmup,
-            precision=precision,
-            **settings,
-        )
-        report = run_comm_bench(config, out)
-    except ClusterfitError as exc:
-        raise _fail(str(exc)) from None
-    console.print(report.markdown(), markup=False, soft_wrap=True)
-    console.print(f"results: {out / RESULTS_JSON}", markup=False)
-
-
-@bench_app.command("peak")
-def bench_peak(
-    dtypes: Annotated[str, typer.Option(help="Comma-separated: fp32, bf16 (and fp16 on CUDA).")] = "fp32,bf16",
-    size: Annotated[int, typer.Option(min=64, max=16384, help="Side of the square matrices.")] = 2048,
-    repeats: Annotated[int, typer.Option(min=1, help="Timed multiplies; the fastest counts.")] = 5,
-    images_per_s: Annotated[
-        Optional[float],  # noqa: UP045 - typer needs Optional here
-        typer.Option(help="A measured ResNet-50 training rate, to report as a fraction of peak."),
-    ] = None,
-    image_size: Annotated[int, typer.Option(min=16, help="Image side of that training rate.")] = 224,
-) -> None:
-    """The machine's matmul FLOP/s per dtype (all cores, or the GPU), and optionally a ResNet-50 training rate
-    as a fraction of it (24.5 GFLOP per 224x224 image, scaled by the pixel count)."""
-    import torch
-
-    from clusterfit.bench.peak import machine_description, measure_matmul, resnet50_train_flop
-
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    console.print(machine_description(device), markup=False)
-    try:
-        results = [measure_matmul(name.strip(), size, repeats, device) for name in dtypes.split(",") if name.strip()]
-    except ClusterfitError as exc:
-        raise _fail(str(exc)) from None
-    for result in results:
-        line = f"{result.dtype} matmul {result.size}x{result.size}: {result.tflops * 1000:.1f} GFLOP/s"
-        if images_per_s is not None:
-            achieved = images_per_s * resnet50_train_flop(image_size) / 1e12
-            line += (
-                f"; ResNet-50 at {images_per_s:g} images/s ({image_size} px) is {achieved / result.tflops:.0%} of it"
-            )
-        console.print(line, markup=False, soft_wrap=True)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -52,3 +52,33 @@ def machine_description(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
+@dataclass(frozen=True)
+class PeakReport:
+    machine: str
+    results: list[PeakResult]
+    images_per_s: float | None = None  # a measured ResNet-50 training rate, read as a fraction of each peak
+    image_size: int = 224  # of that training rate
+
+    def markdown(self) -> str:
+        lines = [self.machine]
+        for result in self.results:
+            line = f"{result.dtype} matmul {result.size}x{result.size}: {result.tflops * 1000:.1f} GFLOP/s"
+            if self.images_per_s is not None:
+                achieved = self.images_per_s * resnet50_train_flop(self.image_size) / 1e12
+                line += (
+                    f"; ResNet-50 at {self.images_per_s:g} images/s ({self.image_size} px) is "
+                    f"{achieved / result.tflops:.0%} of it"
+                )
+            lines.append(line)
+        return "\n".join(lines)
+
+
+def run_peak_bench(
+    dtypes: list[str], size: int, repeats: int, images_per_s: float | None = None, image_size: int = 224
+) -> PeakReport:
+    """Every dtype's matmul rate on the GPU if there is one, else on all cores."""
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    results = [measure_matmul(name, size, repeats, device) for name in dtypes]
+    return PeakReport(machine_description(device), results, images_per_s, image_size)

@@ -6,9 +6,9 @@ many cores):
 
 - clusterfit: `clusterfit run` of a synthetic-data job with `log_every_steps: 1`; per-step images/s from its
   metrics.jsonl;
-- hand-written: benchmarks/baselines/ddp_loop.py under torchrun; per-step wall time printed by rank 0;
+- hand-written: the baselines package's ddp_loop under torchrun; per-step wall time printed by rank 0;
 - Ray Train: the same loop function run by Ray Train's TorchTrainer on a local Ray instance
-  (benchmarks/baselines/ray_loop.py); per-step wall time of rank 0.
+  (the baselines package's ray_loop); per-step wall time of rank 0.
 
 Each system's figure is the median over the steps after `warmup`. Weak-scaling efficiency is
 throughput(n) / (n x throughput(1)); the headline is the ratio clusterfit / each baseline per cell.
@@ -44,9 +44,9 @@ from clusterfit.outputs import JobOutputs, RecordKind, read_records
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES
 
-BASELINES = Path(__file__).resolve().parents[3] / "benchmarks" / "baselines"
-BASELINE_SCRIPT = BASELINES / "ddp_loop.py"
-RAY_SCRIPT = BASELINES / "ray_loop.py"
+# Run as modules of the installed package (`python -m`), from any working directory.
+BASELINE_MODULE = "clusterfit.bench.baselines.ddp_loop"
+RAY_MODULE = "clusterfit.bench.baselines.ray_loop"
 HAND_WRITTEN, RAY_TRAIN, CLUSTERFIT = "hand-written DDP", "Ray Train", "clusterfit"
 SYSTEMS = (HAND_WRITTEN, RAY_TRAIN, CLUSTERFIT)
 RESULTS_JSON = "train.json"
@@ -283,11 +283,8 @@ def run_baseline(
 ) -> list[float]:
     """Per-step global images/s of the hand-written loop under torchrun (or Ray Train), from rank 0's step
     times; without communication (`--no-comm`) every rank trains its own replica."""
-    script = RAY_SCRIPT if ray else BASELINE_SCRIPT
-    if not script.is_file():
-        raise SpecError(f"{script}: the baseline is missing; run from a clusterfit source checkout")
     if ray:
-        launcher = [sys.executable, str(script), f"--workers={workers}"]
+        launcher = [sys.executable, "-m", RAY_MODULE, f"--workers={workers}"]
     else:
         launcher = [
             sys.executable,
@@ -296,7 +293,8 @@ def run_baseline(
             "--standalone",
             "--nnodes=1",
             f"--nproc-per-node={workers}",
-            str(script),
+            "-m",
+            BASELINE_MODULE,
         ]
     command = [
         *launcher,

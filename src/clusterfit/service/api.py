@@ -1,7 +1,9 @@
 """The job service over HTTP: a FastAPI app over one JobStore, with token auth, and the web dashboard.
 
-Every endpoint returns the dicts of `views`, so the CLI prints the same thing from a server as from the local
-store. Handlers are plain `def`s: FastAPI runs them in its thread pool, where blocking database calls belong.
+Every job endpoint is one call of `LocalJobs`, the same object the CLI uses without `--server`, so nothing is
+decided twice and the CLI prints the same thing from a server as from the local store; its refusals become
+HTTP errors in one exception handler. Handlers are plain `def`s: FastAPI runs them in its thread pool, where
+blocking database calls belong.
 `clusterfit server` serves the app with uvicorn; `serve` below is that, with a background thread that keeps
 the store true (`reconcile`) and starts queued jobs when room frees (`schedule`)."""
 
@@ -19,21 +21,16 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from clusterfit import __version__
-from clusterfit.errors import ClusterfitError
-from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.auth import SCOPES, TokenError, Verdict, authorize, issue_token, parse_ttl
-from clusterfit.service.logview import read_logs
-from clusterfit.service.records import record_job
+from clusterfit.service.jobs import Refused, ServiceError, parse_state
+from clusterfit.service.local_jobs import LocalJobs
 from clusterfit.service.scheduler import reconcile, schedule
-from clusterfit.service.states import FailureCause, IllegalTransition, JobState
-from clusterfit.service.store import ApiToken, Job, JobNotFound, JobStore, StateConflict
-from clusterfit.service.views import job_details, job_row, job_status, metrics_series
-from clusterfit.spec import load_spec_text
+from clusterfit.service.store import ApiToken, JobStore
 
 log = logging.getLogger("clusterfit.server")
 DASHBOARD = files("clusterfit.service") / "dashboard"
@@ -82,12 +79,12 @@ Admin = Annotated[ApiToken | None, Depends(_needs("admin"))]
 def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> FastAPI:
     app = FastAPI(title="clusterfit", version=__version__, docs_url="/api/docs", openapi_url="/api/openapi.json")
     app.state.store, app.state.settings = store, settings
+    jobs = LocalJobs(store, start_jobs=not settings.paused)
 
-    def find(job_id: str) -> Job:
-        try:
-            return store.get(job_id)
-        except JobNotFound as exc:
-            raise HTTPException(404, str(exc)) from None
+    @app.exception_handler(ServiceError)
+    async def service_error(_request: Request, exc: ServiceError) -> JSONResponse:
+        # A refusal names its status; anything else the service could not do now may work later.
+        return JSONResponse({"detail": str(exc)}, status_code=exc.status if isinstance(exc, Refused) else 503)
 
     @app.get("/api/health")
     def health() -> dict[str, Any]:
@@ -95,17 +92,7 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
 
     @app.post("/api/jobs", status_code=201)
     def submit(request: SubmitRequest, token: Submitter) -> dict[str, Any]:
-        from clusterfit.launch import preflight  # imports torch: once, on the first submission
-
-        try:
-            spec = load_spec_text(request.spec, request.overrides, source=request.source)
-            preflight(spec)
-        except ClusterfitError as exc:  # 503: the data's store did not answer; submitting later may work
-            raise HTTPException(503 if exc.retryable else 422, str(exc)) from None
-        job = record_job(store, spec, owner=token.name if token else "")
-        if not settings.paused:
-            schedule(store)
-        return job_row(store.get(job.id))
+        return jobs.submit_text(request.spec, request.overrides, request.source, owner=token.name if token else "")
 
     @app.get("/api/jobs")
     def list_jobs(
@@ -113,26 +100,19 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
         state: str | None = None,
         limit: Annotated[int, Query(ge=1, le=10000)] = 200,
     ) -> list[dict[str, Any]]:
-        wanted = None
-        if state:
-            try:
-                wanted = JobState(state.upper())
-            except ValueError:
-                allowed = ", ".join(s.value.lower() for s in JobState)
-                raise HTTPException(422, f"state {state!r} is not a job state; use one of: {allowed}") from None
-        return [job_row(job) for job in store.list_jobs(wanted, limit)]
+        return jobs.list_jobs(parse_state(state or None, "state"), limit)
 
     @app.get("/api/jobs/{job_id}")
     def status(job_id: str, _: Reader) -> dict[str, Any]:
-        return job_status(store, find(job_id))
+        return jobs.status(job_id)
 
     @app.get("/api/jobs/{job_id}/details")
     def details(job_id: str, _: Reader) -> dict[str, Any]:
-        return job_details(store, find(job_id))
+        return jobs.details(job_id)
 
     @app.get("/api/jobs/{job_id}/metrics")
     def metrics(job_id: str, _: Reader) -> list[dict[str, Any]]:
-        return metrics_series(find(job_id))
+        return jobs.metrics(job_id)
 
     @app.get("/api/jobs/{job_id}/logs")
     def logs(
@@ -141,31 +121,11 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
         rank: Annotated[int | None, Query(ge=0)] = None,
         cursor: str | None = None,
     ) -> dict[str, Any]:
-        job = find(job_id)
-        beats = read_heartbeats(JobOutputs.at(job.outputs_dir))
-        ended = job.job_state.is_terminal
-        chunk = read_logs(
-            JobOutputs.at(job.outputs_dir).logs,
-            cursor,
-            ranks=None if rank is None else {rank},
-            node_of=lambda number: beats[number].host if number in beats else None,
-            final=ended,
-        )
-        return {"lines": chunk.lines, "cursor": chunk.cursor, "more": chunk.more, "ended": ended, "state": job.state}
+        return jobs.logs(job_id, cursor, rank)
 
     @app.post("/api/jobs/{job_id}/cancel")
     def cancel(job_id: str, _: Submitter) -> dict[str, Any]:
-        job = find(job_id)
-        if job.job_state.is_terminal:
-            raise HTTPException(409, f"job {job.id} already ended {job.state}; nothing to cancel")
-        store.request_cancel(job.id)
-        if job.job_state is JobState.QUEUED:
-            # If it was started meanwhile, its supervisor sees the request instead.
-            with contextlib.suppress(StateConflict, IllegalTransition):
-                store.transition(
-                    job.id, JobState.CANCELLED, "cancelled by user while queued", cause=FailureCause.CANCELLED.value
-                )
-        return job_status(store, store.get(job.id))
+        return jobs.cancel(job_id)
 
     @app.post("/api/tokens", status_code=201)
     def create_token(request: TokenRequest, _: Admin) -> dict[str, Any]:

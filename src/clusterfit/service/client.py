@@ -1,7 +1,9 @@
-"""The CLI's side of the HTTP API: the same dicts as the local store gives, fetched from a server.
+"""The job service of a clusterfit server, over HTTP: the same `JobService` interface and dicts as the local
+store gives, for the CLI's `--server`.
 
 Every failure is a `ServiceError` with one line to show and the exit code to leave with: 1 when the server
-cannot be reached (try again later), 2 when the request itself was refused (fix the token or the input)."""
+cannot be reached or failed (try again later), 2 when it refused the request (`Refused`: fix the token or
+the input)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,10 @@ from typing import Any
 
 import httpx
 
+from clusterfit.service.jobs import Refused, ServiceError
+from clusterfit.service.states import JobState
+
 CA_CERT_ENV = "CLUSTERFIT_CA_CERT"  # a PEM file to trust, for a server with a self-signed certificate
-
-
-class ServiceError(RuntimeError):
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class ServiceClient:
@@ -45,12 +44,14 @@ class ServiceClient:
             raise ServiceError(
                 f"cannot reach the clusterfit server at {self.url}: {exc or type(exc).__name__}", 1
             ) from None
+        if response.status_code >= 500:
+            raise ServiceError(_refusal(response), 1)
         if response.status_code >= 400:
-            raise ServiceError(_refusal(response), 2 if response.status_code < 500 else 1)
+            raise Refused(_refusal(response), response.status_code)
         return response.json()
 
     # --- jobs -------------------------------------------------------------------------------------------
-    def submit(self, spec_file: Path, overrides: list[str] | None) -> dict[str, Any]:
+    def submit(self, spec_file: Path, overrides: list[str] | None = None) -> dict[str, Any]:
         try:
             text = spec_file.read_text()
         except OSError as exc:
@@ -58,10 +59,10 @@ class ServiceClient:
         body = {"spec": text, "overrides": overrides or [], "source": str(spec_file)}
         return self._call("POST", "/api/jobs", json=body)
 
-    def rows(self, state: str | None = None, limit: int = 200) -> list[dict[str, Any]]:
+    def list_jobs(self, state: JobState | None = None, limit: int = 200) -> list[dict[str, Any]]:
         params: dict[str, Any] = {"limit": limit}
-        if state:
-            params["state"] = state
+        if state is not None:
+            params["state"] = state.value
         return self._call("GET", "/api/jobs", params=params)
 
     def status(self, job_id: str) -> dict[str, Any]:

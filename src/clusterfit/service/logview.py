@@ -3,6 +3,7 @@ file) and asks for what came after it. Lines are labelled like `clusterfit logs`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,8 @@ from pathlib import Path
 from clusterfit.outputs.logs import is_followed_log, log_label, log_order
 
 _CHUNK_BYTES = 256 * 1024  # per file and request: a huge log arrives in pieces instead of one giant response
+# Line ends as Python's text files know them: a progress bar's lone \r ends a line too, not only \n and \r\n.
+_LINE_END = re.compile(r"\r\n|\r|\n")
 
 
 @dataclass
@@ -56,7 +59,7 @@ def read_logs(
                 data = f.read(_CHUNK_BYTES)
         except OSError:
             continue
-        complete_up_to = data.rfind(b"\n") + 1
+        complete_up_to = _whole_lines(data)
         at_end = start + len(data) >= size
         if final and at_end:
             complete_up_to = len(data)
@@ -64,11 +67,18 @@ def read_logs(
             complete_up_to = len(data)  # one enormous line: hand it over in pieces rather than never
         text = data[:complete_up_to].decode("utf-8", errors="replace")
         offsets[name] = start + complete_up_to
-        more = more or start + complete_up_to < size and not (final and at_end)
+        more = more or not at_end  # a last line still without its newline is not more: it waits for the writer
         label = f"[{log_label(name, node_of)}] "
-        pieces = text.split("\n") if text else []
+        pieces = _LINE_END.split(text) if text else []
         if pieces and pieces[-1] == "":
-            pieces.pop()  # the text ended with a newline: nothing follows it yet
+            pieces.pop()  # the text ended with a line end: nothing follows it yet
         lines += [label + line for line in pieces]
     cursor_text = ",".join(f"{name}:{offset}" for name, offset in sorted(offsets.items()))
     return LogChunk(lines=lines, cursor=cursor_text, more=more, files=sorted(names, key=log_order))
+
+
+def _whole_lines(data: bytes) -> int:
+    """How many bytes of `data` are complete lines. A \r at its very end is no line end yet: a \n may follow it,
+    and \r\n must end one line, not two."""
+    body = data[:-1] if data.endswith(b"\r") else data
+    return max(body.rfind(b"\n"), body.rfind(b"\r")) + 1

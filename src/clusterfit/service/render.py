@@ -3,8 +3,10 @@ store or from a server."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import yaml
 from rich.table import Table
 
 from clusterfit.service.views import age
@@ -81,3 +83,19 @@ def status_lines(status: dict[str, Any]) -> list[str]:
 
 def history_lines(status: dict[str, Any]) -> list[str]:
     return [f"  {event['at'][:19]}  {event['state']:<9}  {event['message']}" for event in status["history"]]
+
+
+def details_lines(details: dict[str, Any]) -> list[str]:
+    """Plain lines: what `clusterfit show` prints."""
+    return [
+        *status_lines(details),
+        "history:",
+        *history_lines(details),
+        f"outputs: {details['outputs_dir']}",
+        *(f"  model: {path}" for path in details["model_files"]),
+        *(f"  checkpoint: {path}" for path in details["checkpoints"]),
+        f"  metrics: {details['metrics_file']}  tensorboard: {details['tensorboard_dir']}",
+        *([f"summary: {json.dumps(details['summary'].get('epochs', []))}"] if details["summary"] else []),
+        "spec:",
+        *yaml.safe_dump(details["spec"], sort_keys=False).splitlines(),
+    ]

@@ -3,7 +3,7 @@ TorchTrainer on a local Ray instance this script starts and stops. Ray sets up t
 `ray.train.torch.prepare_model` wraps the model in DDP, and each worker gets cores / workers CPUs and as many
 torch threads. Prints the same JSON lines as ddp_loop.py: one per step with rank 0's wall time.
 
-    python benchmarks/baselines/ray_loop.py --workers 2 --model resnet50 --image-size 64 --batch 16 --steps 20
+    python -m clusterfit.bench.baselines.ray_loop --workers 2 --model resnet50 --image-size 64 --batch 16 --steps 20
 
 Needs `pip install 'ray[train]==2.60.0'` (clusterfit's `ray` extra).
 """
@@ -13,21 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
-BASELINES = Path(__file__).resolve().parent
 OBJECT_STORE_BYTES = 256 * 2**20  # the loop passes no data through Ray; Ray's default would reserve GiBs
 
 
 def train_func(config: dict[str, Any]) -> dict[str, Any]:
     """Runs in every Ray Train worker process; rank 0's return value comes back to `fit()`'s caller."""
-    sys.path.insert(0, config["baselines"])  # the workers import the shared loop from here
     import ray.train.torch
     import torch
-    from ddp_loop import parse_args, train_steps
+
+    from clusterfit.bench.baselines.ddp_loop import parse_args, train_steps
 
     torch.set_num_threads(config["threads"])
     seconds: list[float] = []
@@ -65,7 +62,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="ray-baseline-") as storage:
             trainer = TorchTrainer(
                 train_func,
-                train_loop_config={"baselines": str(BASELINES), "loop_args": loop_args, "threads": threads},
+                train_loop_config={"loop_args": loop_args, "threads": threads},
                 scaling_config=ScalingConfig(
                     num_workers=args.workers, use_gpu=use_gpu, resources_per_worker={"CPU": threads}
                 ),

@@ -1,10 +1,11 @@
 """The hand-written baseline: the minimal torchrun + DDP training loop a user would write for a throughput test.
 
 A torchvision model, one batch of random tensors reused every step, cross-entropy, SGD with momentum, DDP over
-gloo (CPU) or NCCL (CUDA), channels_last and the same autocast dtype as clusterfit. Rank 0 prints one JSON line
-per step with its wall time; every rank runs with the OMP_NUM_THREADS its launcher set (cores / ranks).
+gloo (CPU) or NCCL (CUDA), channels_last and the autocast dtype it is given (`clusterfit bench train` resolves
+`--precision auto` once and gives every system the same dtype). Rank 0 prints one JSON line per step with its
+wall time; every rank runs with the OMP_NUM_THREADS its launcher set (cores / ranks).
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 benchmarks/baselines/ddp_loop.py \
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node=2 -m clusterfit.bench.baselines.ddp_loop \
         --model resnet50 --image-size 64 --batch 16 --steps 20
 
 `clusterfit bench train` runs it side by side with clusterfit's trainer. With `--no-comm` every rank trains its
@@ -26,7 +27,7 @@ import torch.distributed as dist
 import torchvision
 from torch.nn.parallel import DistributedDataParallel
 
-from clusterfit.worker.precision import resolve_precision  # the same `auto` -> dtype rule as clusterfit
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # fp32: no autocast
 
 
 def build_model(name: str, num_classes: int) -> torch.nn.Module:
@@ -44,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16, help="images per rank per step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--num-classes", type=int, default=1000)
-    parser.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"])
+    parser.add_argument("--precision", default="fp32", choices=list(AUTOCAST_DTYPES), help="fp16 needs a GPU")
     parser.add_argument("--no-channels-last", dest="channels_last", action="store_false")
     parser.add_argument("--no-comm", dest="communicate", action="store_false", help="no DDP: compute only")
     return parser.parse_args(argv)
@@ -57,23 +58,19 @@ def train_steps(
     on_step: Callable[[int, float], None],
 ) -> None:
     """The measured loop, shared with the Ray Train baseline: `wrap` makes the model data-parallel."""
-    precision = resolve_precision(args.precision, device)
+    autocast_dtype = AUTOCAST_DTYPES[args.precision]
     memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     torch.manual_seed(0)
     model = build_model(args.model, args.num_classes).to(device, memory_format=memory_format)
     if args.communicate:
         model = wrap(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision.name == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")  # fp16 gradients underflow
     loss_fn = torch.nn.CrossEntropyLoss()
     images = torch.randn(args.batch, 3, args.image_size, args.image_size, device=device)
     images = images.contiguous(memory_format=memory_format)
     labels = torch.randint(0, args.num_classes, (args.batch,), device=device)
-    autocast = (
-        torch.autocast(device.type, dtype=precision.autocast_dtype)
-        if precision.autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
+    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
     for step in range(1, args.steps + 1):
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,116 @@
+"""The job service over this machine's store: the one place where its requests are decided. The CLI uses it
+without `--server`, and `clusterfit server` answers every job request of its HTTP API with it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clusterfit.errors import ClusterfitError
+from clusterfit.outputs import JobOutputs, read_heartbeats
+from clusterfit.service.jobs import Refused, ServiceError
+from clusterfit.service.logview import read_logs
+from clusterfit.service.records import record_job
+from clusterfit.service.scheduler import reconcile, schedule
+from clusterfit.service.states import FailureCause, IllegalTransition, JobState
+from clusterfit.service.store import Job, JobNotFound, JobStore, StateConflict
+from clusterfit.service.views import job_details, job_row, job_status, metrics_series
+from clusterfit.spec import JobSpec, load_spec, load_spec_text
+
+
+def local_user() -> str:
+    """Who owns what is submitted from this machine's command line."""
+    return os.environ.get("USER") or os.environ.get("LOGNAME") or str(os.getuid())
+
+
+def checked_spec(load: Callable[[], JobSpec]) -> JobSpec:
+    """The spec `load` reads (from a file or from text), validated and preflighted here: its data is there and
+    its outputs folder fits. Any problem, reading included, is one line: a refusal, or, when the data's store
+    did not answer, an error that submitting again later may not meet (503, exit code 1)."""
+    try:
+        spec = load()
+        from clusterfit.launch import preflight  # the data checks: imported only once the spec itself is valid
+
+        preflight(spec)
+    except ClusterfitError as exc:
+        if exc.retryable:
+            raise ServiceError(str(exc), exit_code=1) from None
+        raise Refused(str(exc), 422) from None
+    return spec
+
+
+@dataclass(frozen=True)
+class LocalJobs:
+    store: JobStore
+    start_jobs: bool = True  # False on a paused server: submissions are queued, none is started
+
+    def submit(self, spec_file: Path, overrides: list[str] | None = None) -> dict[str, Any]:
+        """A job file of this machine, queued for the user running the command."""
+        return self.enqueue(checked_spec(lambda: load_spec(spec_file, overrides)), owner=local_user())
+
+    def submit_text(self, text: str, overrides: list[str], source: str, owner: str) -> dict[str, Any]:
+        """A job file's text as a client sent it (its paths are this machine's), queued for `owner`."""
+        return self.enqueue(checked_spec(lambda: load_spec_text(text, overrides, source=source)), owner)
+
+    def enqueue(self, spec: JobSpec, owner: str) -> dict[str, Any]:
+        job = record_job(self.store, spec, owner=owner)
+        if self.start_jobs:
+            schedule(self.store)
+        return job_row(self.store.get(job.id))
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        job = self._find(job_id)
+        if job.job_state.is_terminal:
+            raise Refused(f"job {job.id} already ended {job.state}; nothing to cancel", 409)
+        self.store.request_cancel(job.id)
+        if job.job_state is JobState.QUEUED:
+            # If it was started meanwhile, its supervisor sees the request instead.
+            with contextlib.suppress(StateConflict, IllegalTransition):
+                self.store.transition(
+                    job.id, JobState.CANCELLED, "cancelled by user while queued", cause=FailureCause.CANCELLED.value
+                )
+        return job_status(self.store, self.store.get(job.id))
+
+    def list_jobs(self, state: JobState | None = None, limit: int = 200) -> list[dict[str, Any]]:
+        self._settle()
+        return [job_row(job) for job in self.store.list_jobs(state, limit)]
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        return job_status(self.store, self._find(job_id))
+
+    def details(self, job_id: str) -> dict[str, Any]:
+        return job_details(self.store, self._find(job_id))
+
+    def logs(self, job_id: str, cursor: str | None = None, rank: int | None = None) -> dict[str, Any]:
+        job = self._find(job_id)
+        outputs = JobOutputs.at(job.outputs_dir)
+        beats = read_heartbeats(outputs)
+        ended = job.job_state.is_terminal  # read before the files: whatever the job wrote last is in them
+        chunk = read_logs(
+            outputs.logs,
+            cursor,
+            ranks=None if rank is None else {rank},
+            node_of=lambda number: beats[number].host if number in beats else None,
+            final=ended,
+        )
+        return {"lines": chunk.lines, "cursor": chunk.cursor, "more": chunk.more, "ended": ended, "state": job.state}
+
+    def metrics(self, job_id: str) -> list[dict[str, Any]]:
+        return metrics_series(self._find(job_id))
+
+    def _find(self, job_id: str) -> Job:
+        self._settle()
+        try:
+            return self.store.get(job_id)
+        except JobNotFound as exc:
+            raise Refused(str(exc), 404) from None
+
+    def _settle(self) -> None:
+        """Before every read: a job whose supervisor is gone is never shown running, and the room it held goes
+        to the queue at once (there is no scheduler daemon to notice)."""
+        if reconcile(self.store) and self.start_jobs:
+            schedule(self.store)

@@ -1,0 +1,166 @@
+"""The job-service layer: the rules that work on any `JobService` (tested on a fake one), the cursor log reader,
+and the two implementations, this machine's store and a real server over HTTP, giving the same answers."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import tiny_job, write_job
+from service_server import ServerProcess, make_token
+
+from clusterfit.outputs import JobOutputs, MetricsWriter, RankBeat, write_heartbeat
+from clusterfit.service.client import ServiceClient
+from clusterfit.service.jobs import JobService, Refused, ServiceError, cancel_and_wait, follow_logs, parse_state
+from clusterfit.service.local_jobs import LocalJobs
+from clusterfit.service.logview import read_logs
+from clusterfit.service.migrate import open_store
+from clusterfit.service.states import JobState
+
+
+# --- rules over any JobService -----------------------------------------------------------------------------
+@pytest.mark.parametrize("implementation", [LocalJobs, ServiceClient])
+def test_both_implementations_take_the_interface_s_arguments(implementation: type) -> None:
+    def parameters(method: Any) -> list[tuple[str, Any]]:
+        return [(p.name, p.default) for p in inspect.signature(method).parameters.values()]
+
+    for name in ("submit", "cancel", "list_jobs", "status", "details", "logs", "metrics"):
+        assert parameters(getattr(implementation, name)) == parameters(getattr(JobService, name)), name
+
+
+class ScriptedJobs:
+    """A JobService that answers from a script: log chunks in order, and the states a job passes through."""
+
+    def __init__(self, chunks: Sequence[dict[str, Any]] = (), states: Sequence[str] = ()) -> None:
+        self.chunks, self.states = list(chunks), list(states)
+        self.cursors: list[str | None] = []
+
+    def logs(self, job_id: str, cursor: str | None = None, rank: int | None = None) -> dict[str, Any]:
+        self.cursors.append(cursor)
+        return self.chunks.pop(0)
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self.status(job_id)
+
+    def status(self, job_id: str) -> dict[str, Any]:
+        """The next state of the script; the last one stays."""
+        return {"id": job_id, "state": self.states.pop(0) if len(self.states) > 1 else self.states[0]}
+
+
+def _chunk(cursor: str, *lines: str, more: bool = False, ended: bool = False) -> dict[str, Any]:
+    return {"lines": list(lines), "cursor": cursor, "more": more, "ended": ended, "state": "RUNNING"}
+
+
+def test_follow_logs_asks_again_at_once_for_more_and_stops_when_the_job_ended() -> None:
+    jobs = ScriptedJobs([_chunk("1", "a", more=True), _chunk("2", "b"), _chunk("3"), _chunk("4", "c", ended=True)])
+    shown: list[str] = []
+    follow_logs(jobs, "job", shown.append, follow=True, poll_s=0)
+    assert shown == ["a", "b", "c"] and jobs.cursors == [None, "1", "2", "3"]
+
+
+def test_logs_without_follow_stop_after_what_is_there() -> None:
+    jobs = ScriptedJobs([_chunk("1", "a", more=True), _chunk("2", "b"), _chunk("3", "never asked for")])
+    shown: list[str] = []
+    follow_logs(jobs, "job", shown.append, poll_s=0)
+    assert shown == ["a", "b"]
+
+
+def test_cancel_waits_for_the_end_and_gives_up_in_one_line() -> None:
+    assert cancel_and_wait(ScriptedJobs(states=["RUNNING", "RUNNING", "CANCELLED"]), "j1", 10, poll_s=0) == {
+        "id": "j1",
+        "state": "CANCELLED",
+    }
+    with pytest.raises(ServiceError) as still:
+        cancel_and_wait(ScriptedJobs(states=["RUNNING"]), "j1", 0.05, poll_s=0.01)
+    assert still.value.exit_code == 1
+    assert str(still.value) == "job j1 is still RUNNING after 0.05 s; run `clusterfit cancel j1` again"
+
+
+def test_state_names_are_parsed_once_for_every_caller() -> None:
+    assert parse_state(None, "--state") is None
+    assert parse_state("Running", "--state") is JobState.RUNNING
+    with pytest.raises(Refused) as bad:
+        parse_state("sleeping", "state")
+    assert (bad.value.status, bad.value.exit_code) == (422, 2)
+    assert str(bad.value).startswith("state 'sleeping' is not a job state; use one of: queued, staging, running")
+
+
+# --- the cursor log reader ---------------------------------------------------------------------------------
+def test_log_lines_end_like_a_text_file_and_a_half_line_is_not_more(tmp_path: Path) -> None:
+    log = tmp_path / "rank-0.log"
+    log.write_bytes(b"a\r\nb\rc\nd\r")
+    first = read_logs(tmp_path, None)
+    # The trailing \r waits: a \n may follow it. A line without its end is not "more", or followers would spin.
+    assert (first.lines, first.more) == (["[rank0] a", "[rank0] b", "[rank0] c"], False)
+    with log.open("ab") as f:
+        f.write(b"\nlast")
+    second = read_logs(tmp_path, first.cursor)
+    assert (second.lines, second.more) == (["[rank0] d"], False)
+    assert read_logs(tmp_path, second.cursor, final=True).lines == ["[rank0] last"]
+
+
+# --- both implementations ----------------------------------------------------------------------------------
+@pytest.fixture
+def both(tmp_path: Path) -> Iterator[tuple[LocalJobs, ServiceClient]]:
+    """This machine's store and a paused server over the same store (the test's home), to compare."""
+    with ServerProcess("--paused") as server, ServiceClient(server.url, make_token("submit")) as client:
+        yield LocalJobs(open_store(), start_jobs=False), client
+
+
+def _without_ages(found: Any) -> Any:
+    """Heartbeat ages tick between two calls; everything else must be equal."""
+    if isinstance(found, dict):
+        return {key: _without_ages(value) for key, value in found.items() if key != "seconds_since_heartbeat"}
+    if isinstance(found, list):
+        return [_without_ages(value) for value in found]
+    return found
+
+
+def test_local_and_http_give_the_same_answers(both: tuple[LocalJobs, ServiceClient], tmp_path: Path) -> None:
+    local, remote = both
+    out = tmp_path / "out"
+    job_id = remote.submit(write_job(tmp_path / "job.yaml", tiny_job(out)), ["trainer.epochs=2"])["id"]
+    outputs = JobOutputs.at(out)
+    outputs.logs.mkdir(parents=True)
+    outputs.rank_log(0).write_text("step 1\nstep 2\n")
+    outputs.agent_log.write_text("agent started\n")
+    write_heartbeat(outputs, RankBeat(0, "training", 2, 1.0, 5.0, 123, "node-a", 1))
+    metrics = MetricsWriter(outputs.metrics)
+    metrics.write({"kind": "train", "step": 2, "loss": 2.5, "images_per_s": 5.0})
+    metrics.close()
+
+    assert local.list_jobs() == remote.list_jobs() and local.list_jobs()[0]["id"] == job_id
+    assert local.list_jobs(JobState.QUEUED, 1) == remote.list_jobs(JobState.QUEUED, 1)
+    assert local.list_jobs(JobState.RUNNING) == remote.list_jobs(JobState.RUNNING) == []
+    assert _without_ages(local.status(job_id)) == _without_ages(remote.status(job_id[:6]))
+    assert _without_ages(local.details(job_id)) == _without_ages(remote.details(job_id))
+    assert local.details(job_id)["spec"]["trainer"]["epochs"] == 2
+    assert local.metrics(job_id) == remote.metrics(job_id) == [json.loads(outputs.metrics.read_text())]
+    chunk = local.logs(job_id)
+    assert chunk == remote.logs(job_id)
+    assert chunk["lines"] == ["[torchrun] agent started", "[rank0@node-a] step 1", "[rank0@node-a] step 2"]
+    assert local.logs(job_id, chunk["cursor"]) == remote.logs(job_id, chunk["cursor"])
+    assert local.logs(job_id, rank=0) == remote.logs(job_id, rank=0)
+
+
+def test_cancel_through_either_ends_the_job_cancelled(both: tuple[LocalJobs, ServiceClient], tmp_path: Path) -> None:
+    jobs: dict[str, JobService] = dict(zip(("local", "remote"), both, strict=True))
+    submitted = {
+        name: service.submit(write_job(tmp_path / f"{name}.yaml", tiny_job(tmp_path / name)))["id"]
+        for name, service in jobs.items()
+    }
+    for name, service in jobs.items():
+        assert cancel_and_wait(service, submitted[name], wait_s=30)["state"] == "CANCELLED"
+        assert open_store().get(submitted[name]).job_state is JobState.CANCELLED
+    for service in jobs.values():  # either may cancel the other's job: it is the same store
+        for job_id in submitted.values():
+            with pytest.raises(Refused, match="already ended CANCELLED; nothing to cancel") as again:
+                service.cancel(job_id)
+            assert (again.value.status, again.value.exit_code) == (409, 2)
+        with pytest.raises(Refused, match="no job 'ffffffff'") as unknown:
+            service.status("ffffffff")
+        assert unknown.value.status == 404
