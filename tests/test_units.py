@@ -181,3 +181,22 @@ def test_a_hang_stack_dump_is_not_held() -> None:
     held = HeldTracebacks()
     dump = ["[rank0] Timeout (0:00:06)!", "[rank0] Thread 0x7f (most recent call first):", '[rank0]   File "x.py"']
     assert [line for raw in dump for line in held.feed(raw)] == dump
+
+
+def test_a_process_tree_is_found_and_killed_by_pid_and_start_time() -> None:
+    import subprocess
+
+    from clusterfit.processes import descendants, is_running, kill_if_same, process_start_time
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60; wait"])
+    try:
+        tree = wait_for(lambda: len(found := descendants(shell.pid)) == 2 and found, 10, "the two sleeps")
+        assert all(is_running(pid, start) for pid, start in tree.items())
+        assert not is_running(shell.pid, "0"), "another start time is another process"
+        for pid, start in tree.items():
+            kill_if_same(pid, start)
+        wait_for(lambda: not any(is_running(pid, start) for pid, start in tree.items()), 10, "the sleeps to die")
+    finally:
+        shell.kill()
+        shell.wait()
+    assert process_start_time(shell.pid) is None and not is_running(shell.pid), "reaped: gone"

@@ -37,8 +37,8 @@ def is_running(pid: int, start_time: str | None = None) -> bool:
     return start_time is None or fields[19] == start_time
 
 
-def descendants(pid: int) -> dict[int, str]:
-    """pid -> start time of every process below `pid`."""
+def descendants(*roots: int) -> dict[int, str]:
+    """pid -> start time of every process below any of `roots` (read from /proc once)."""
     children: dict[int, list[int]] = {}
     starts: dict[int, str] = {}
     for entry in Path("/proc").iterdir():
@@ -50,7 +50,7 @@ def descendants(pid: int) -> dict[int, str]:
         children.setdefault(int(fields[1]), []).append(int(entry.name))
         starts[int(entry.name)] = fields[19]
     found: dict[int, str] = {}
-    pending = list(children.get(pid, []))
+    pending = [child for root in roots for child in children.get(root, [])]
     while pending:
         child = pending.pop()
         found[child] = starts[child]

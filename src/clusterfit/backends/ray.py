@@ -42,7 +42,7 @@ from clusterfit.backends.torchrun import (
 from clusterfit.errors import ClusterfitError, EngineError, SpecError
 from clusterfit.files import write_atomically
 from clusterfit.outputs import JobOutputs
-from clusterfit.processes import stop_with_parent
+from clusterfit.processes import descendants, is_running, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
 
 NAMESPACE = "clusterfit"
@@ -262,7 +262,7 @@ class NodeAgent:
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
         self._finished_at: float | None = None
-        self._tree: list[Any] = []  # psutil.Process of the agent and of every descendant seen so far
+        self._tree: dict[int, str] = {}  # pid -> start time of the agent and every descendant seen so far
 
     def where(self) -> NodePlace:
         import ray
@@ -308,7 +308,7 @@ class NodeAgent:
     def processes(self) -> list[int]:
         """Pids of the agent and every live descendant (workers, their data loaders)."""
         self._remember_tree()
-        return [process.pid for process in self._tree if _alive(process)]
+        return [pid for pid, start in self._tree.items() if is_running(pid, start)]
 
     def stop(self) -> list[int]:
         """SIGTERM to the agent's group (torchrun stops its workers), then SIGKILL to whatever of the process
@@ -321,11 +321,10 @@ class NodeAgent:
                 os.killpg(self._process.pid, signal.SIGTERM)
         self._wait_tree_gone(_STOP_GRACE_S)
         self._remember_tree()
-        for process in self._tree:
-            with contextlib.suppress(Exception):
-                process.kill()
+        for pid, start in self._tree.items():
+            kill_if_same(pid, start)
         self._wait_tree_gone(5.0)
-        return [process.pid for process in self._tree if _alive(process)]
+        return [pid for pid, start in self._tree.items() if is_running(pid, start)]
 
     def _record_exit(self) -> None:
         assert self._process is not None
@@ -333,38 +332,20 @@ class NodeAgent:
         self._finished_at = time.time()
 
     def _remember_tree(self) -> None:
-        import psutil
-
         if self._process is None:
             return
-        known = {process.pid for process in self._tree}
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(self._process.pid)
-            for process in [root, *root.children(recursive=True)]:
-                if process.pid not in known:
-                    self._tree.append(process)
-                    known.add(process.pid)
+        start = process_start_time(self._process.pid)
+        if start is not None:
+            self._tree.setdefault(self._process.pid, start)
         # Workers whose agent died are no longer its children; their own children still count.
-        for process in list(self._tree):
-            with contextlib.suppress(psutil.Error):
-                for child in process.children(recursive=True):
-                    if child.pid not in known:
-                        self._tree.append(child)
-                        known.add(child.pid)
+        alive = [pid for pid, start in self._tree.items() if is_running(pid, start)]
+        for pid, start in descendants(*alive).items():
+            self._tree.setdefault(pid, start)
 
     def _wait_tree_gone(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while any(_alive(process) for process in self._tree) and time.monotonic() < deadline:
+        while any(is_running(pid, start) for pid, start in self._tree.items()) and time.monotonic() < deadline:
             time.sleep(0.1)
-
-
-def _alive(process: Any) -> bool:
-    import psutil
-
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _actor_name(job_id: str, node: int) -> str:
