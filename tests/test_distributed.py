@@ -59,9 +59,9 @@ RESUME_SETTINGS = {
 }
 
 
-
 # One worker runs them all: each worker would otherwise compute the straight reference run (a module fixture) again.
 pytestmark = pytest.mark.xdist_group("distributed")
+
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:

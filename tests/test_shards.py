@@ -33,9 +33,9 @@ def _epoch(dataset: ShardTrainSamples, epoch: int, start_step: int = 0, workers:
     return [(images, labels) for images, labels, _, _ in loader]
 
 
-
 # One worker runs them all: each worker would otherwise make the packed dataset and its Azurite server again.
 pytestmark = pytest.mark.xdist_group("shards")
+
 
 @pytest.fixture(scope="module")
 def packed40(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -26,9 +26,9 @@ from clusterfit.data.transforms import TrainCrop
 CONTAINER = "data"
 
 
-
 # One worker runs them all: each worker would otherwise compute one Azurite server (a module fixture) again.
 pytestmark = pytest.mark.xdist_group("staging")
+
 
 @pytest.fixture(scope="module")
 def azurite(tmp_path_factory: pytest.TempPathFactory):

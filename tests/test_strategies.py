@@ -34,9 +34,9 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in records if r["kind"] == "train"]
 
 
-
 # One worker runs them all: each worker would otherwise compute the one-process reference run (a module fixture) again.
 pytestmark = pytest.mark.xdist_group("strategies")
+
 
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -308,8 +308,10 @@ def oom_killed_pids() -> frozenset[int] | None:
                 record = os.read(fd, 8192).decode(errors="replace")
             except BlockingIOError:  # the end of the buffer
                 break
-            except OSError:  # EPIPE: a record was overwritten while reading; the next read goes on
+            except BrokenPipeError:  # a record was overwritten while reading; the next read goes on
                 continue
+            except OSError:  # anything else would repeat on every read: use what was read so far
+                break
             if match := _KERNEL_OOM_KILL.search(record):
                 pids.add(int(match.group(1)))
     finally:
