@@ -58,10 +58,15 @@ def cli_command(*args: str) -> list[str]:
 
 
 def run_cli(
-    *args: str, cwd: Path | None = None, timeout: float = 300, prefix: Sequence[str] = ()
+    *args: str,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    prefix: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """`clusterfit ARGS`; `prefix` runs it under another command (a resource limit, a namespace)."""
-    env = {**os.environ, "COLUMNS": "200"}
+    """`clusterfit ARGS` in `env` (default: this process's); `prefix` runs it under another command (a resource
+    limit, a namespace)."""
+    env = {**(os.environ if env is None else env), "COLUMNS": "200"}
     command = [*prefix, *cli_command(*args)]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 

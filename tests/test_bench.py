@@ -71,11 +71,14 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) ->
     assert "| resnet_tiny | 1 | clusterfit |" in result.stdout
 
 
-@pytest.mark.slow  # a local Ray instance starts in about a minute on 2 busy cores
-def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path) -> None:
+# NOTE: on the tests' Ray cluster (a worker per node, one CPU each), not the fresh local Ray instance a real
+# measurement starts: that takes a minute on 2 busy cores and starts the same TorchTrainer code path.
+@pytest.mark.xdist_group("ray")
+def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path, ray_cluster) -> None:
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",
         "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path),
+        "--ray-address", ray_cluster.address, env=ray_cluster.client_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())

@@ -228,12 +228,33 @@ def test_a_failed_attempt_is_retried_from_its_last_checkpoint(tmp_path: Path) ->
     assert "injected failure" in (out / "logs" / "rank-0.log.1").read_text()  # the failed attempt's log is kept
 
 
+def _submit_command(tmp_path: Path, name: str, command: str, **changes: Any) -> str:
+    """Submits a 2-process command job: the scheduler treats it as any job of 2 ranks, and it starts no torch."""
+    spec = {
+        "name": name,
+        "command": command,
+        "distribution": {"type": "pytorch", "process_count_per_instance": 2},
+        "resources": {"instance_count": 1, "backend": "local"},
+        "outputs": {"dir": str(tmp_path / name)},
+        **changes,
+    }
+    result = run_cli("submit", str(write_job(tmp_path / f"{name}.yaml", spec)))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
 def test_queued_jobs_start_by_priority_when_room_frees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLUSTERFIT_CAPACITY", "2")
-    first, _ = _submit(tmp_path, "first", trainer={"steps_per_epoch": 8})
-    low, _ = _submit(tmp_path, "low")
-    high, _ = _submit(tmp_path, "high", queue_settings={"priority": 10})
+    go = tmp_path / "go"  # `first` holds both slots until the test has queued the other two
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "wait.py").write_text(f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.1)\n")
+    first = _submit_command(tmp_path, "first", "python wait.py", code=str(code))
+    wait_for(lambda: _state(first) == "RUNNING", 120, "first to run")
+    low = _submit_command(tmp_path, "low", "true")
+    high = _submit_command(tmp_path, "high", "true", queue_settings={"priority": 10})
     assert _state(low) == "QUEUED" and _state(high) == "QUEUED"  # 2 slots, both taken by `first`
+    go.touch()
     for job_id in (first, low, high):
         assert _ended(job_id, 300) == "SUCCEEDED", _status(job_id)
     store = open_store()

@@ -62,6 +62,10 @@ def bench_train(
     warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
     precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for every system.")] = "auto",
     ray: Annotated[bool, typer.Option(help="Also run the loop under Ray Train's TorchTrainer (the ray extra).")] = True,
+    ray_address: Annotated[
+        Optional[str],  # noqa: UP045 - typer needs Optional here
+        typer.Option(help="Run Ray Train on this running cluster (host:port or auto); default: a fresh local Ray."),
+    ] = None,
     cores_per_rank: Annotated[
         Optional[int],  # noqa: UP045 - typer needs Optional here
         typer.Option(help="Run a cell of n ranks on n x this many cores (CPU affinity); default: all cores shared."),
@@ -90,6 +94,7 @@ def bench_train(
             warmup=warmup,
             precision=precision,
             ray=ray,
+            ray_address=ray_address,
             cores_per_rank=cores_per_rank,
         )
         return run_train_bench(config, out)

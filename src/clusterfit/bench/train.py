@@ -66,6 +66,9 @@ class TrainBenchConfig:
     precision: str = "auto"
     channels_last: bool = True
     ray: bool = True  # Ray Train's TorchTrainer as a second baseline (needs the ray extra)
+    # None: a fresh local Ray instance per run, alone on the machine as the other systems are. An address joins a
+    # running cluster instead (its start-up is not paid again), which must have a CPU free for every worker.
+    ray_address: str | None = None
     # None: every cell shares all cores (threads per rank = cores / ranks). K: a cell of n ranks runs on n x K
     # cores (CPU affinity), as if each rank brought its own cores: the weak scaling of more machines or GPUs.
     cores_per_rank: int | None = None
@@ -285,6 +288,8 @@ def run_baseline(
     times; without communication (`--no-comm`) every rank trains its own replica."""
     if ray:
         launcher = [sys.executable, "-m", RAY_MODULE, f"--workers={workers}"]
+        if config.ray_address:
+            launcher.append(f"--address={config.ray_address}")
     else:
         launcher = [
             sys.executable,

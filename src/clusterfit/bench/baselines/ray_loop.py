@@ -1,5 +1,5 @@
 """The Ray Train baseline: the hand-written loop of ddp_loop.py (the same function) run by Ray Train's
-TorchTrainer on a local Ray instance this script starts and stops. Ray sets up the gloo/NCCL process group,
+TorchTrainer on a local Ray instance this script starts and stops (or on a running cluster: `--address`). Ray sets up the gloo/NCCL process group,
 `ray.train.torch.prepare_model` wraps the model in DDP, and each worker gets cores / workers CPUs and as many
 torch threads. Prints the same JSON lines as ddp_loop.py: one per step with rank 0's wall time.
 
@@ -40,6 +40,7 @@ def train_func(config: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--address", help="a running Ray cluster to join (host:port or auto)")
     args, loop_args = parser.parse_known_args()
 
     import ray
@@ -50,14 +51,17 @@ def main() -> None:
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // args.workers)
     use_gpu = torch.cuda.is_available()
-    # NOTE: address="local" always starts a fresh instance, never joins a cluster someone else started here.
-    ray.init(
-        address="local",
-        num_cpus=cores,
-        object_store_memory=OBJECT_STORE_BYTES,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    if args.address:
+        ray.init(address=args.address, log_to_driver=False)
+    else:
+        # NOTE: address="local" always starts a fresh instance, never joins a cluster someone else started here.
+        ray.init(
+            address="local",
+            num_cpus=cores,
+            object_store_memory=OBJECT_STORE_BYTES,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     try:
         with tempfile.TemporaryDirectory(prefix="ray-baseline-") as storage:
             trainer = TorchTrainer(
