@@ -35,6 +35,25 @@ def _submit(tmp_path: Path, name: str = "tiny", prefix: Sequence[str] = (), **ch
     return result.stdout.strip(), out
 
 
+def _submit_command(tmp_path: Path, name: str, command: str, **changes: Any) -> str:
+    """Submits a 2-process command job: the scheduler treats it as any job of 2 ranks, and it starts no torch."""
+    spec = {
+        "name": name,
+        "command": command,
+        "distribution": {"type": "pytorch", "process_count_per_instance": 2},
+        "resources": {"instance_count": 1, "backend": "local"},
+        "outputs": {"dir": str(tmp_path / name)},
+        **changes,
+    }
+    result = run_cli("submit", str(write_job(tmp_path / f"{name}.yaml", spec)))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def _state(job_id: str) -> str:
     return open_store().get(job_id).state
 
@@ -105,8 +124,12 @@ def test_cancel_mid_run_leaves_no_process(tmp_path: Path) -> None:
 
 
 def test_a_second_job_on_the_same_outputs_is_refused_and_the_first_keeps_running(tmp_path: Path) -> None:
-    first, out = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
-    wait_for(lambda: _state(first) == "RUNNING", 180, "RUNNING")
+    # Command jobs that print and wait: the outputs lock is the same for every kind of job, and they leave the
+    # cores to the other tests.
+    waits = "python -u -c 'import time; print(\"first job running\"); time.sleep(600)'"
+    first = _submit_command(tmp_path, "tiny", waits)
+    out = tmp_path / "tiny"
+    wait_for(lambda: "first job running" in _read(out / "logs" / "rank-0.log"), 180, "the first job's rank 0")
     log_before = (out / "logs" / "rank-0.log").read_text()
     second = run_cli("run", str(tmp_path / "tiny.yaml"))  # the same spec, so the same outputs.dir
     assert second.returncode == 1, second.stdout + second.stderr
@@ -117,7 +140,7 @@ def test_a_second_job_on_the_same_outputs_is_refused_and_the_first_keeps_running
     assert run_cli("cancel", first).returncode == 0
     assert _ended(first) == "CANCELLED"
     # The lock went with the first job's supervisor: the folder is free again.
-    third, _ = _submit(tmp_path, trainer={"steps_per_epoch": 5000})
+    third = _submit_command(tmp_path, "tiny", waits)
     wait_for(lambda: _state(third) == "RUNNING", 180, "RUNNING after the first job ended")
     assert run_cli("cancel", third).returncode == 0
 
@@ -226,21 +249,6 @@ def test_a_failed_attempt_is_retried_from_its_last_checkpoint(tmp_path: Path) ->
     assert "RETRYING" in history and "attempt 1 of 2 failed; retrying from the last checkpoint" in history
     assert "resuming from" in (out / "logs" / "rank-0.log").read_text()
     assert "injected failure" in (out / "logs" / "rank-0.log.1").read_text()  # the failed attempt's log is kept
-
-
-def _submit_command(tmp_path: Path, name: str, command: str, **changes: Any) -> str:
-    """Submits a 2-process command job: the scheduler treats it as any job of 2 ranks, and it starts no torch."""
-    spec = {
-        "name": name,
-        "command": command,
-        "distribution": {"type": "pytorch", "process_count_per_instance": 2},
-        "resources": {"instance_count": 1, "backend": "local"},
-        "outputs": {"dir": str(tmp_path / name)},
-        **changes,
-    }
-    result = run_cli("submit", str(write_job(tmp_path / f"{name}.yaml", spec)))
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
 
 
 def test_queued_jobs_start_by_priority_when_room_frees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
