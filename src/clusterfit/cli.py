@@ -366,6 +366,40 @@ def validate(
     console.print(f"{spec_file}: ok ({what}, {spec.world_size} worker(s), backend {spec.resources.backend})")
 
 
+@app.command()
+def plan(
+    spec_file: Annotated[Path, typer.Argument(metavar="JOB.yaml")],
+    nodes: Annotated[int, typer.Option(min=1, help="Nodes to plan for (the table doubles up to it).")] = 1,
+    gpus_per_node: Annotated[int, typer.Option(min=1, help="Devices (GPUs, or CPU ranks) per node.")] = 8,
+    device: Annotated[str, typer.Option(help="p100 | v100 | a100 | h100 | cpu (this machine's CPU).")] = "a100",
+    interconnect: Annotated[str, typer.Option(help="The network between nodes, e.g. infiniband-hdr.")] = "ethernet-25g",
+    nics_per_node: Annotated[int, typer.Option(min=1, help="Network adapters per node (rail-optimised).")] = 1,
+    images_per_s: Annotated[
+        Optional[float],  # noqa: UP045 - typer needs Optional here
+        typer.Option(min=0.001, help="One device's measured training rate; replaces the FLOP estimate."),
+    ] = None,
+    overrides: SetOption = None,
+) -> None:
+    """Predict how a trainer job scales before the hardware exists: images/s, the step split into compute and
+    exposed all-reduce, and the scaling efficiency from 1 device to NODES x GPUS_PER_NODE, with what would help."""
+    from clusterfit.plan.planner import markdown, plan_job
+
+    spec = _load(spec_file, overrides)
+    try:
+        result = plan_job(
+            spec,
+            device=device,
+            nodes=nodes,
+            devices_per_node=gpus_per_node,
+            interconnect=interconnect,
+            nics_per_node=nics_per_node,
+            images_per_s=images_per_s,
+        )
+    except ClusterfitError as exc:
+        raise _fail(str(exc)) from None
+    console.print(markdown(result), markup=False, soft_wrap=True)
+
+
 data_app = typer.Typer(
     help="Prepare training data: pack folders into shards, stage from object storage.", no_args_is_help=True
 )

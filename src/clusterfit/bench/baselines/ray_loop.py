@@ -1,7 +1,8 @@
 """The Ray Train baseline: the hand-written loop of ddp_loop.py (the same function) run by Ray Train's
-TorchTrainer on a local Ray instance this script starts and stops (or on a running cluster: `--address`). Ray sets up the gloo/NCCL process group,
-`ray.train.torch.prepare_model` wraps the model in DDP, and each worker gets cores / workers CPUs and as many
-torch threads. Prints the same JSON lines as ddp_loop.py: one per step with rank 0's wall time.
+TorchTrainer on a local Ray instance this script starts and stops (or on a running cluster: `--address`).
+Ray sets up the gloo/NCCL process group, `ray.train.torch.prepare_model` wraps the model in DDP, and each
+worker gets cores / workers CPUs and as many torch threads. Prints the same JSON lines as ddp_loop.py: one per
+step with rank 0's wall time.
 
     python -m clusterfit.bench.baselines.ray_loop --workers 2 --model resnet50 --image-size 64 --batch 16 --steps 20
 

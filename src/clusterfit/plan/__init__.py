@@ -1,0 +1,1 @@
+"""`clusterfit plan`: how a job would scale on hardware you do not have yet, from a cost model."""

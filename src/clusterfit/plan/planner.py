@@ -1,0 +1,215 @@
+"""A job spec + hardware you name -> the predicted step split and scaling efficiency on 1 device, one node and
+more nodes, and what would help. Pure apart from profiling the model (meta device) and, for `--device cpu`,
+timing this machine's matmul peak."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from clusterfit.plan.costmodel import DDP_BUCKET_BYTES, Link, StepSplit, Workload, slowest_link, step_split
+from clusterfit.plan.hardware import CPU_INTRA_NODE, CPU_UTILIZATION, DEVICES, NETWORKS, Device, with_nics
+from clusterfit.plan.profile import ModelProfile
+from clusterfit.spec.errors import SpecError
+
+if TYPE_CHECKING:
+    from clusterfit.spec import JobSpec
+
+GOOD_EFFICIENCY = 0.9
+# Bytes that cross the links per gradient element and step: DDP all-reduces fp32 gradients whatever the
+# compute precision; FSDP's all-gather (forward) + reduce-scatter (backward) move 1.5x an all-reduce's data.
+_STRATEGY_TRAFFIC = {"ddp": 1.0, "fsdp": 1.5}
+_COMPRESSED_BYTES = {"none": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    device: Device
+    precision: str  # "fp32" or "amp", the device table's keys
+    nodes: int
+    devices_per_node: int
+    network: Link
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: ModelProfile
+    hardware: Hardware
+    work: Workload
+    rows: list[tuple[int, StepSplit]]  # (nodes, split), from one device to all of them
+    advice: list[str]
+
+
+def device_precision(job_precision: str) -> str:
+    return "fp32" if job_precision == "fp32" else "amp"
+
+
+def workload(
+    profile: ModelProfile,
+    batch: int,
+    strategy: str,
+    compression: str,
+    device_flop_per_s: float,
+    bucket_mb: float | None = None,
+) -> Workload:
+    check_modelled(strategy, compression)
+    return Workload(
+        train_flop_per_image=profile.train_flop_per_image,
+        gradient_bytes=profile.parameters * _COMPRESSED_BYTES[compression] * _STRATEGY_TRAFFIC[strategy],
+        batch_per_device=batch,
+        device_flop_per_s=device_flop_per_s,
+        bucket_bytes=bucket_mb * 2**20 if bucket_mb else DDP_BUCKET_BYTES,
+    )
+
+
+def check_modelled(strategy: str, compression: str) -> None:
+    if strategy not in _STRATEGY_TRAFFIC:
+        raise SpecError(
+            f"trainer.strategy = {strategy!r}: the planner models ddp and fsdp; plan the job with strategy ddp"
+        )
+    if compression not in _COMPRESSED_BYTES:
+        raise SpecError(
+            f"trainer.grad_compression = {compression!r}: the planner models none, bf16 and fp16; plan without it"
+        )
+
+
+def gpu_hardware(device: str, precision: str, nodes: int, per_node: int, network: str, nics: int) -> Hardware:
+    if device not in DEVICES:
+        raise SpecError(f"--device {device}: unknown; choose one of {', '.join([*DEVICES, 'cpu'])}")
+    if network not in NETWORKS:
+        raise SpecError(f"--interconnect {network}: unknown; choose one of {', '.join(NETWORKS)}")
+    return Hardware(
+        device=DEVICES[device],
+        precision=device_precision(precision),
+        nodes=nodes,
+        devices_per_node=per_node,
+        network=with_nics(NETWORKS[network], nics),
+    )
+
+
+def cpu_device(peak_flop_per_s: float, precision: str, what: str) -> Device:
+    """A CPU rank of this machine, at the matmul peak measured here."""
+    return Device(
+        name=what,
+        peak={precision: peak_flop_per_s},
+        utilization={precision: CPU_UTILIZATION},
+        intra_node=CPU_INTRA_NODE,
+        note="peak measured on this machine now; utilization from `bench train` on such a CPU",
+    )
+
+
+def device_rate(hardware: Hardware, profile: ModelProfile, images_per_s: float | None) -> float:
+    """FLOP/s one device reaches on this model: measured (`--images-per-s`) or peak x utilization."""
+    if images_per_s is not None:
+        return images_per_s * profile.train_flop_per_image
+    device = hardware.device
+    return device.peak[hardware.precision] * device.utilization[hardware.precision]
+
+
+def node_counts(nodes: int) -> list[int]:
+    counts, n = [], 1
+    while n < nodes:
+        counts.append(n)
+        n *= 2
+    return [*counts, nodes]
+
+
+def make_plan(profile: ModelProfile, hardware: Hardware, work: Workload) -> Plan:
+    intra = hardware.device.intra_node
+    rows = [(1, step_split(work, 1, intra))]
+    for nodes in node_counts(hardware.nodes):
+        devices = nodes * hardware.devices_per_node
+        if devices > 1:
+            rows.append((nodes, step_split(work, devices, slowest_link(nodes, intra, hardware.network))))
+    return Plan(profile, hardware, work, rows, advice(work, hardware, rows[-1]))
+
+
+def advice(work: Workload, hardware: Hardware, last: tuple[int, StepSplit]) -> list[str]:
+    """What would lift the largest configuration's efficiency, each option's effect computed, not guessed."""
+    nodes, split = last
+    if split.efficiency >= GOOD_EFFICIENCY:
+        return [f"{split.efficiency:.0%} efficient on {split.devices} devices: communication is not the limit"]
+    link = slowest_link(nodes, hardware.device.intra_node, hardware.network)
+    lines = [
+        f"{split.efficiency:.0%} efficient on {split.devices} devices: {split.exposed_s * 1e3:.0f} ms of each "
+        f"{split.step_s * 1e3:.0f} ms step is all-reduce over {link.name} that backward does not hide"
+    ]
+    bigger = step_split(replace(work, batch_per_device=2 * work.batch_per_device), split.devices, link)
+    lines.append(f"twice the batch per device ({2 * work.batch_per_device}): {bigger.efficiency:.0%}")
+    halved = step_split(replace(work, gradient_bytes=work.gradient_bytes / 2), split.devices, link)
+    lines.append(f"bf16 gradient compression (trainer.grad_compression: bf16): {halved.efficiency:.0%}")
+    per_node = hardware.devices_per_node
+    if nodes > 1:
+        fewer = step_split(work, split.devices, with_nics(hardware.network, 2))
+        lines.append(f"twice the network bandwidth per node: {fewer.efficiency:.0%}")
+        lines.append(
+            f"scale up before scaling out: {per_node} devices on one node run at "
+            f"{step_split(work, per_node, hardware.device.intra_node).efficiency:.0%}"
+        )
+    return lines
+
+
+def markdown(plan: Plan) -> str:
+    hw, work, profile = plan.hardware, plan.work, plan.model
+    head = [
+        f"{profile.name} at {profile.image_size} px: {profile.train_flop_per_image / 1e9:.1f} GFLOP per training "
+        f"image, {profile.parameters / 1e6:.1f} M parameters, {work.gradient_bytes / 1e6:.0f} MB all-reduced per step",
+        f"device: {hw.device.name}, {hw.precision}: {work.device_flop_per_s / 1e12:.1f} TFLOP/s reached "
+        f"({hw.device.note}); batch {work.batch_per_device} per device",
+        f"links: {hw.device.intra_node.name} in a node, {hw.network.name} between nodes",
+        "",
+        "| nodes | devices | images/s | per device | step ms | compute ms | all-reduce ms | exposed ms | efficiency "
+        "| without overlap |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for nodes, s in plan.rows:
+        head.append(
+            f"| {nodes} | {s.devices} | {s.images_per_s:,.0f} | {s.images_per_s / s.devices:,.0f} | "
+            f"{s.step_s * 1e3:.1f} | {s.compute_s * 1e3:.1f} | {s.allreduce_s * 1e3:.1f} | {s.exposed_s * 1e3:.1f} | "
+            f"{s.efficiency:.0%} | {s.efficiency_without_overlap:.0%} |"
+        )
+    return "\n".join([*head, "", *plan.advice])
+
+
+def plan_job(
+    spec: JobSpec,
+    *,
+    device: str,
+    nodes: int,
+    devices_per_node: int,
+    interconnect: str,
+    nics_per_node: int = 1,
+    images_per_s: float | None = None,
+) -> Plan:
+    """The plan of a trainer job's spec on `nodes` x `devices_per_node` devices of kind `device`."""
+    from clusterfit.plan.profile import profile_model
+
+    if spec.trainer is None:
+        raise SpecError("a command job has no model to profile; `clusterfit plan` plans trainer jobs")
+    trainer = spec.trainer
+    check_modelled(trainer.strategy, trainer.grad_compression)  # before the slower profile and peak
+    if device == "cpu":
+        hardware = _cpu_hardware(trainer.precision, nodes, devices_per_node, interconnect, nics_per_node)
+    else:
+        hardware = gpu_hardware(device, trainer.precision, nodes, devices_per_node, interconnect, nics_per_node)
+    profile = profile_model(trainer.model, trainer.data.image_size, trainer.data.num_classes or 1000)
+    rate = device_rate(hardware, profile, images_per_s)
+    work = workload(
+        profile, trainer.batch_size, trainer.strategy, trainer.grad_compression, rate, trainer.ddp_bucket_cap_mb
+    )
+    return make_plan(profile, hardware, work)
+
+
+def _cpu_hardware(precision: str, nodes: int, per_node: int, interconnect: str, nics: int) -> Hardware:
+    """CPU ranks like this machine's: its matmul peak at the job's precision, measured now (a second) on all
+    cores and shared by the node's ranks, as `bench train` shares them."""
+    import torch
+
+    from clusterfit.bench.machine import bench_precision, cpu_model
+    from clusterfit.bench.peak import measure_matmul
+
+    resolved = bench_precision(precision)
+    peak = measure_matmul(resolved, 1024, 5, torch.device("cpu")).tflops * 1e12
+    gpu_like = gpu_hardware("v100", precision, nodes, per_node, interconnect, nics)  # checks the network name
+    device = cpu_device(peak / per_node, gpu_like.precision, f"{cpu_model()} ({resolved}), 1/{per_node} of its cores")
+    return replace(gpu_like, device=device)
