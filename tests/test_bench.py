@@ -47,18 +47,26 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) ->
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "1", "--image-size", "32", "--batch", "2",
         "--steps", "3", "--warmup", "1", "--precision", "fp32", "--no-ray", "--cores-per-rank", "1",
-        "--out", str(tmp_path),
+        "--rounds", "2", "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())
     assert report["config"]["cores_per_rank"] == 1
     assert all(cell["threads_per_rank"] == 1 for cell in report["cells"])
-    assert set(report) == {"config", "machine", "precision", "cells", "ratios"}
+    assert set(report) == {"config", "machine", "precision", "cells", "ratios", "orders"}
+    # Two rounds in alternation, the second starting with the system that came second in the first.
+    assert report["orders"] == {
+        "resnet_tiny/1": [
+            ["compute only", "hand-written DDP", "clusterfit"],
+            ["hand-written DDP", "clusterfit", "compute only"],
+        ]
+    }
     assert {"cpu", "cores", "torch"} <= set(report["machine"]) and report["precision"] == "fp32"
     cells = {(c["system"], c["workers"]): c for c in report["cells"]}
     assert set(cells) == {("hand-written DDP", 1), ("clusterfit", 1)}
     for cell in cells.values():
-        assert len(cell["step_images_per_s"]) == 3 and cell["images_per_s"] > 0
+        assert [len(run) for run in cell["step_images_per_s"]] == [3, 3] and len(cell["round_images_per_s"]) == 2
+        assert cell["images_per_s"] == pytest.approx(sum(cell["round_images_per_s"]) / 2)  # the median of two
         assert cell["scaling_efficiency"] == 1.0 and cell["threads_per_rank"] >= 1
     assert [(r["model"], r["workers"]) for r in report["ratios"]] == [("resnet_tiny", 1)]
     assert set(report["ratios"][0]) == {"model", "workers", "clusterfit_over_hand_written_ddp"}
@@ -78,12 +86,12 @@ def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path, ray_cluster) ->
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",
         "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path),
-        "--ray-address", ray_cluster.address, env=ray_cluster.client_env(),
+        "--rounds", "1", "--ray-address", ray_cluster.address, env=ray_cluster.client_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())
     ray = next(c for c in report["cells"] if c["system"] == "Ray Train")
-    assert ray["workers"] == 2 and ray["threads_per_rank"] >= 1 and len(ray["step_images_per_s"]) == 3
+    assert ray["workers"] == 2 and ray["threads_per_rank"] >= 1 and [len(run) for run in ray["step_images_per_s"]] == [3]
     assert report["ratios"][0]["clusterfit_over_ray_train"] > 0
     assert "clusterfit ÷ Ray Train" in result.stdout and "| resnet_tiny | 2 | Ray Train |" in result.stdout
 
@@ -121,7 +129,10 @@ def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
     config = TrainBenchConfig(models=("resnet18",), workers=(1, 2), steps=3, warmup=1)
     report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "fp32")
     for system, one, two in (("hand-written DDP", 10.0, 19.0), ("Ray Train", 8.0, 15.0), ("clusterfit", 11.0, 16.5)):
-        report.cells += [Cell(system, "resnet18", 1, 2, [one] * 3, one), Cell(system, "resnet18", 2, 1, [two] * 3, two)]
+        report.cells += [
+            Cell(system, "resnet18", 1, 2, [[one] * 3], [one]),
+            Cell(system, "resnet18", 2, 1, [[two] * 3], [two]),
+        ]
     report.fill_scaling()
     assert report.cell("hand-written DDP", "resnet18", 2).scaling_efficiency == 0.95
     assert report.cell("clusterfit", "resnet18", 2).scaling_efficiency == 0.75
@@ -132,6 +143,22 @@ def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
     assert (tmp_path / "chart.png").stat().st_size > 1000
 
 
+def test_bench_train_rotates_the_systems_and_marks_ratios_within_noise() -> None:
+    from clusterfit.bench.train import Cell, TrainBenchConfig, TrainBenchReport, rotations
+
+    assert rotations(("a", "b", "c"), 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    config = TrainBenchConfig(models=("resnet18",), workers=(2,), steps=3, warmup=1, ray=False)
+    report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "fp32")
+    report.cells = [
+        Cell("hand-written DDP", "resnet18", 2, 1, [], [10.0, 12.0, 11.0]),
+        Cell("clusterfit", "resnet18", 2, 1, [], [11.5, 13.0, 12.5]),  # overlaps 10-12
+    ]
+    assert report.cell("clusterfit", "resnet18", 2).spread == (11.5, 13.0)
+    assert "| resnet18 | 2 | 1 | 11.0 (10.0-12.0) | 12.5 (11.5-13.0) | 1.14x ~ |" in report.markdown()
+    report.cells[1] = Cell("clusterfit", "resnet18", 2, 1, [], [12.5, 13.0, 14.0])  # all above 12
+    assert "| 12.5x |" not in report.markdown() and "| 1.18x |" in report.markdown()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -139,6 +166,7 @@ def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
         (["--workers", "0,2"], "error: --workers 0,2: worker counts must be 1 or more"),
         (["--workers", "one"], "error: --workers one: expected a comma-separated list of int"),
         (["--steps", "5", "--warmup", "5"], "error: --steps 5: must exceed --warmup 5 to leave steps to measure"),
+        (["--rounds", "0"], "error: --rounds 0: run every system at least once per cell"),
         (
             ["--workers", "1,64", "--cores-per-rank", "1"],
             "error: --cores-per-rank 1: 64 worker(s) x 1 core(s) must fit",

@@ -10,7 +10,10 @@ many cores):
 - Ray Train: the same loop function run by Ray Train's TorchTrainer on a local Ray instance
   (the baselines package's ray_loop); per-step wall time of rank 0.
 
-Each system's figure is the median over the steps after `warmup`. Weak-scaling efficiency is
+These machines' speed drifts by a quarter within minutes, so a cell runs every system `rounds` times in
+alternation, each round starting with the next system in turn (no system is always first, which measured
+fastest). A run's figure is its median step after `warmup`; a system's figure is the median of its rounds, shown
+with their range, and a ratio whose two ranges overlap is marked as within noise. Weak-scaling efficiency is
 throughput(n) / (n x throughput(1)); the headline is the ratio clusterfit / each baseline per cell.
 
 The step time is split into compute, communication and data wait. Compute is measured in the same run by the
@@ -26,6 +29,7 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -63,6 +67,7 @@ class TrainBenchConfig:
     batch: int = 16  # images per rank per step
     steps: int = 30
     warmup: int = 5  # steps left out of the median
+    rounds: int = 3  # runs of every system per cell, in alternation
     precision: str = "auto"
     channels_last: bool = True
     ray: bool = True  # Ray Train's TorchTrainer as a second baseline (needs the ray extra)
@@ -87,6 +92,8 @@ class TrainBenchConfig:
             raise SpecError(f"--models {','.join(self.models)}: unknown model; choose from {', '.join(MODEL_NAMES)}")
         if not self.workers or min(self.workers) < 1:
             raise SpecError(f"--workers {','.join(map(str, self.workers))}: worker counts must be 1 or more")
+        if self.rounds < 1:
+            raise SpecError(f"--rounds {self.rounds}: run every system at least once per cell")
         if self.steps <= self.warmup:
             raise SpecError(f"--steps {self.steps}: must exceed --warmup {self.warmup} to leave steps to measure")
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
@@ -119,10 +126,22 @@ class Cell:
     model: str
     workers: int
     threads_per_rank: int
-    step_images_per_s: list[float]  # every measured step, warm-up included
-    images_per_s: float  # median after warm-up
+    step_images_per_s: list[list[float]]  # every measured step of every round, warm-up included
+    round_images_per_s: list[float]  # each round's median after warm-up
     scaling_efficiency: float | None = None  # throughput(n) / (n x throughput(1)); None without a 1-worker cell
     split: StepSplit | None = None
+
+    @property
+    def images_per_s(self) -> float:
+        return statistics.median(self.round_images_per_s)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return min(self.round_images_per_s), max(self.round_images_per_s)
+
+    def overlaps(self, other: Cell) -> bool:
+        """Whether the two systems' round ranges overlap: their difference is within the machine's noise."""
+        return self.spread[0] <= other.spread[1] and other.spread[0] <= self.spread[1]
 
 
 @dataclass(frozen=True)
@@ -147,12 +166,18 @@ class TrainBenchReport:
     machine: dict[str, object]
     precision: str
     cells: list[Cell] = field(default_factory=list)
+    orders: dict[str, list[list[str]]] = field(default_factory=dict)  # "model/workers" -> each round's order
 
     def cell(self, system: str, model: str, workers: int) -> Cell:
         return next(c for c in self.cells if (c.system, c.model, c.workers) == (system, model, workers))
 
     def ratio(self, model: str, workers: int, baseline: str = HAND_WRITTEN) -> float:
         return self.cell(CLUSTERFIT, model, workers).images_per_s / self.cell(baseline, model, workers).images_per_s
+
+    def _ratio_text(self, model: str, workers: int, baseline: str) -> str:
+        ours, theirs = self.cell(CLUSTERFIT, model, workers), self.cell(baseline, model, workers)
+        noise = " ~" if self.config.rounds > 1 and ours.overlaps(theirs) else ""
+        return f"{self.ratio(model, workers, baseline):.2f}x{noise}"
 
     def fill_scaling(self) -> None:
         for c in self.cells:
@@ -164,7 +189,8 @@ class TrainBenchReport:
             "config": asdict(self.config),
             "machine": self.machine,
             "precision": self.precision,
-            "cells": [asdict(c) for c in self.cells],
+            "cells": [{**asdict(c), "images_per_s": c.images_per_s} for c in self.cells],
+            "orders": self.orders,
             "ratios": [
                 {"model": m, "workers": n, **{_ratio_key(b): self.ratio(m, n, b) for b in self.config.baselines}}
                 for m in self.config.models
@@ -177,7 +203,8 @@ class TrainBenchReport:
         lines = [
             f"machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}; {m['device']}",
             f"{c.image_size}x{c.image_size} synthetic images, batch {c.batch} per rank, {self.precision}, "
-            f"channels_last {c.channels_last}; median images/s over steps {c.warmup + 1}-{c.steps}; "
+            f"channels_last {c.channels_last}; images/s: median over {c.rounds} alternating round(s) of each run's "
+            f"median over steps {c.warmup + 1}-{c.steps} (min-max of the rounds); "
             + (f"a cell of n ranks on n x {c.cores_per_rank} core(s)" if c.cores_per_rank else "all cores shared"),
             "",
             "| model | workers | threads/rank | "
@@ -194,13 +221,25 @@ class TrainBenchReport:
                 cells = [self.cell(s, model, n) for s in c.systems]
                 lines.append(
                     f"| {model} | {n} | {cells[0].threads_per_rank} | "
-                    + " | ".join(f"{cell.images_per_s:.1f}" for cell in cells)
+                    + " | ".join(_rate(cell) for cell in cells)
                     + " | "
-                    + " | ".join(f"{self.ratio(model, n, b):.2f}x" for b in c.baselines)
+                    + " | ".join(self._ratio_text(model, n, b) for b in c.baselines)
                     + " | "
                     + " | ".join(_eff(cell) for cell in cells)
                     + " |"
                 )
+        lines += [
+            "",
+            "~: the two systems' round ranges overlap, so the difference is within this machine's noise.",
+            *(
+                [
+                    "On 1 worker clusterfit trains without a DDP wrapper (nothing to all-reduce); the baselines keep"
+                    " theirs, so a gain there is not a gain of distributed training."
+                ]
+                if 1 in c.workers
+                else []
+            ),
+        ]
         lines += [
             "",
             "Step time split (ms, median step after warm-up; compute = the hand-written loop's ranks without"
@@ -219,6 +258,11 @@ class TrainBenchReport:
                             f"| {1000 * split.communication_s:.0f} | {1000 * split.data_wait_s:.0f} |"
                         )
         return "\n".join(lines)
+
+
+def _rate(cell: Cell) -> str:
+    low, high = cell.spread
+    return f"{cell.images_per_s:.1f}" if low == high else f"{cell.images_per_s:.1f} ({low:.1f}-{high:.1f})"
 
 
 def _ratio_key(baseline: str) -> str:
@@ -254,6 +298,7 @@ def run_clusterfit(
 ) -> tuple[list[float], list[float]]:
     """Per-step global images/s and data-wait seconds of `clusterfit run` on synthetic data, from its metrics."""
     out = workdir / f"clusterfit-{model}-{workers}"
+    shutil.rmtree(out, ignore_errors=True)  # each round trains from scratch, not a resume of the last one
     job = {
         "name": f"bench-{model}-{workers}",
         "trainer": {
@@ -336,7 +381,7 @@ def _run(what: str, command: list[str], env: dict[str, str] | None = None) -> st
 
 
 def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport:
-    """Every model x worker count, the hand-written loop first and clusterfit right after it on the same cell."""
+    """Every model x worker count, each cell's systems measured in alternating rounds."""
     _matplotlib()  # before minutes of training, not after
     if config.ray:
         _require_ray()
@@ -346,7 +391,9 @@ def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport
         for model in config.models:
             for workers in config.workers:
                 with _on_cores(config.cores_for(workers)):  # every system's processes inherit the affinity
-                    report.cells += _measure_cell(config, model, workers, precision, Path(tmp))
+                    cells, orders = _measure_cell(config, model, workers, precision, Path(tmp))
+                report.cells += cells
+                report.orders[f"{model}/{workers}"] = orders
     report.fill_scaling()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / RESULTS_JSON).write_text(json.dumps(report.to_json(), indent=2) + "\n")
@@ -364,27 +411,55 @@ def _on_cores(cores: set[int]) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
-def _measure_cell(config: TrainBenchConfig, model: str, workers: int, precision: str, tmp: Path) -> list[Cell]:
-    """Every system on one model x worker count, with the step split against the loop without communication."""
+COMPUTE_ONLY = "compute only"  # the hand-written loop without communication: the split's reference
+
+
+def rotations(names: tuple[str, ...], rounds: int) -> list[list[str]]:
+    """Round r starts with the r-th name: each takes the first slot (measured fastest on drifting machines)
+    equally often."""
+    return [[*names[r % len(names) :], *names[: r % len(names)]] for r in range(rounds)]
+
+
+def _measure_cell(
+    config: TrainBenchConfig, model: str, workers: int, precision: str, tmp: Path
+) -> tuple[list[Cell], list[list[str]]]:
+    """Every system on one model x worker count in alternating rounds, with the step split against the loop
+    without communication (itself one of the alternating runs)."""
+    orders = rotations((COMPUTE_ONLY, *config.systems), config.rounds)
+    steps: dict[str, list[list[float]]] = {name: [] for name in orders[0]}
+    waits: dict[str, list[list[float]]] = {name: [] for name in orders[0]}
+    for order in orders:
+        for name in order:
+            run_steps, run_waits = _run_system(name, config, model, workers, precision, tmp)
+            if len(run_steps) != config.steps:
+                raise SpecError(f"{name} ({model}, {workers}): {len(run_steps)} step timings, expected {config.steps}")
+            steps[name].append(run_steps)
+            waits[name].append(run_waits)
+    compute_s = statistics.median(_median_seconds(run, config, workers) for run in steps[COMPUTE_ONLY])
     threads = threads_per_worker(workers)
-    compute_only = run_baseline(config, model, workers, precision, communicate=False)
-    compute_s = _median_seconds(compute_only, config, workers)
     cells = []
     for system in config.systems:
-        data_wait = [0.0] * config.steps  # the baselines reuse one batch on the device
-        if system == CLUSTERFIT:
-            steps, data_wait = run_clusterfit(config, model, workers, precision, tmp)
-        else:
-            steps = run_baseline(config, model, workers, precision, ray=system == RAY_TRAIN)
-        if len(steps) != config.steps or len(compute_only) != config.steps:
-            raise SpecError(f"{system} ({model}, {workers}): {len(steps)} step timings, expected {config.steps}")
         split = StepSplit.of(
-            _median_seconds(steps, config, workers), compute_s, median_after_warmup(data_wait, config.warmup)
+            statistics.median(_median_seconds(run, config, workers) for run in steps[system]),
+            compute_s,
+            statistics.median(median_after_warmup(run, config.warmup) for run in waits[system]),
         )
-        cells.append(
-            Cell(system, model, workers, threads, steps, median_after_warmup(steps, config.warmup), split=split)
-        )
-    return cells
+        rounds = [median_after_warmup(run, config.warmup) for run in steps[system]]
+        cells.append(Cell(system, model, workers, threads, steps[system], rounds, split=split))
+    return cells, orders
+
+
+def _run_system(
+    name: str, config: TrainBenchConfig, model: str, workers: int, precision: str, tmp: Path
+) -> tuple[list[float], list[float]]:
+    """One run: per-step images/s and data-wait seconds (the baselines reuse one batch: no wait)."""
+    if name == CLUSTERFIT:
+        return run_clusterfit(config, model, workers, precision, tmp)
+    if name == COMPUTE_ONLY:
+        run = run_baseline(config, model, workers, precision, communicate=False)
+    else:
+        run = run_baseline(config, model, workers, precision, ray=name == RAY_TRAIN)
+    return run, [0.0] * len(run)
 
 
 def plot(report: TrainBenchReport, path: Path) -> None:
@@ -400,11 +475,24 @@ def plot(report: TrainBenchReport, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) + 2), 5.0))
     offsets = [(i - (len(systems) - 1) / 2) * width for i in range(len(systems))]
     for offset, system in zip(offsets, systems, strict=True):
-        values = [report.cell(system, m, n).images_per_s for m, n in groups]
-        bars = ax.bar([i + offset for i in x], values, width, label=f"{system} images/s", color=colours[system])
+        cells = [report.cell(system, m, n) for m, n in groups]
+        values = [cell.images_per_s for cell in cells]
+        spread = [
+            [cell.images_per_s - cell.spread[0] for cell in cells],
+            [cell.spread[1] - cell.images_per_s for cell in cells],
+        ]
+        bars = ax.bar(
+            [i + offset for i in x],
+            values,
+            width,
+            yerr=spread,
+            capsize=3,
+            label=f"{system} images/s",
+            color=colours[system],
+        )
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
     ax.set_xticks(x, [f"{m}\n{n} worker{'s' if n > 1 else ''}" for m, n in groups])
-    ax.set_ylabel("images/s (median step)")
+    ax.set_ylabel("images/s (median of rounds; bars: their range)")
     eff_ax = ax.twinx()
     markers = {HAND_WRITTEN: "s--", RAY_TRAIN: "^:", CLUSTERFIT: "o-"}
     for system in systems:
@@ -425,7 +513,7 @@ def plot(report: TrainBenchReport, path: Path) -> None:
     efficiencies = [cell.scaling_efficiency or 0.0 for cell in report.cells]
     eff_ax.set_ylim(0, max(1.2, 1.1 * max(efficiencies)))
     eff_ax.set_ylabel("weak-scaling efficiency")
-    ax.set_ylim(0, 1.2 * max(cell.images_per_s for cell in report.cells))  # room for the bar labels
+    ax.set_ylim(0, 1.2 * max(cell.spread[1] for cell in report.cells))  # room for the bar labels
     handles, labels = ax.get_legend_handles_labels()
     more_handles, more_labels = eff_ax.get_legend_handles_labels()
     ax.legend(
