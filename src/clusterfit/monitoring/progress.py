@@ -63,12 +63,21 @@ class LiveView:
         self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
+def _train_stats(record: dict[str, Any]) -> str:
+    """The trainer's epoch, loss and images/s; a user script's own metrics as they come."""
+    if "epoch" in record and "images_per_s" in record:
+        return f"epoch {record['epoch']} loss {record['loss']:.3f} {record['images_per_s']:.1f} img/s"
+    shown = {key: value for key, value in record.items() if key not in ("kind", "step", "time", "total_steps")}
+    return " ".join(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}" for key, value in shown.items())
+
+
 def _update(bar: Progress, task: Any, record: dict[str, Any]) -> None:
     kind = record.get("kind")
     if kind == RecordKind.START:
         bar.reset(task, total=record["total_steps"], completed=record["step"], description="training")
     elif kind == RecordKind.TRAIN:
-        stats = f"epoch {record['epoch']} loss {record['loss']:.3f} {record['images_per_s']:.1f} img/s"
-        bar.update(task, completed=record["step"], stats=stats, description="training")
+        if record.get("total_steps"):  # a user script (clusterfit.session) may name its total in any report
+            bar.update(task, total=record["total_steps"])
+        bar.update(task, completed=record["step"], stats=_train_stats(record), description="training")
     elif kind == RecordKind.END:
         bar.update(task, completed=record["step"], description="done")

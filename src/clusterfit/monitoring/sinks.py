@@ -44,8 +44,16 @@ class FanOut:
             sink.close()
 
 
-def open_metric_sinks(outputs: JobOutputs, is_main: bool) -> MetricSink:
-    """Only the main process records metrics (metrics.jsonl and TensorBoard); the others get a sink that drops them."""
+def open_metric_sinks(outputs: JobOutputs, is_main: bool, *, tensorboard_required: bool = True) -> MetricSink:
+    """Only the main process records metrics (metrics.jsonl and TensorBoard); the others get a sink that drops them.
+    Without `tensorboard_required` (a user script of any framework), TensorBoard is skipped when torch's writer or
+    tensorboard is not installed."""
     if not is_main:
         return FanOut([])
-    return FanOut([MetricsWriter(outputs.metrics), TensorBoardSink(outputs.tensorboard)])
+    sinks: list[MetricSink] = [MetricsWriter(outputs.metrics)]
+    try:
+        sinks.append(TensorBoardSink(outputs.tensorboard))
+    except ImportError:
+        if tensorboard_required:
+            raise
+    return FanOut(sinks)

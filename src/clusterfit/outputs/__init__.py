@@ -5,16 +5,25 @@ writer and reader of each file format live here side by side, so both sides impo
 imports the other. Torch-free: the launcher, the job service and the dashboard read what the workers wrote
 without loading the training stack. docs/architecture.md has the table of files."""
 
-from clusterfit.outputs.env import ATTEMPT_ENV, FAULT_ENV, RANK_LOG_ENV, STORAGE_SAS_TOKEN_ENV
+from clusterfit.outputs.env import (
+    ATTEMPT_ENV,
+    FAULT_ENV,
+    LIVENESS_ENV,
+    RANK_LOG_ENV,
+    SPEC_ENV,
+    STORAGE_SAS_TOKEN_ENV,
+)
 from clusterfit.outputs.heartbeats import Phase, RankBeat, clear_heartbeats, read_heartbeats, write_heartbeat
 from clusterfit.outputs.layout import JobOutputs, model_torchscript, model_weights
-from clusterfit.outputs.metrics import MetricsTail, MetricsWriter, RecordKind, read_records
+from clusterfit.outputs.metrics import MetricsTail, MetricsWriter, RecordKind, last_record, read_records
 from clusterfit.outputs.summary import finished_this_run, read_summary, write_summary
 
 __all__ = [
     "ATTEMPT_ENV",
     "FAULT_ENV",
+    "LIVENESS_ENV",
     "RANK_LOG_ENV",
+    "SPEC_ENV",
     "STORAGE_SAS_TOKEN_ENV",
     "JobOutputs",
     "MetricsTail",
@@ -24,6 +33,7 @@ __all__ = [
     "RecordKind",
     "clear_heartbeats",
     "finished_this_run",
+    "last_record",
     "model_torchscript",
     "model_weights",
     "read_heartbeats",

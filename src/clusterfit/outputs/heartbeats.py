@@ -16,6 +16,7 @@ class Phase(str, enum.Enum):
     validation is not one."""
 
     STAGING = "staging"
+    RUNNING = "running"  # a command job's process is alive and has not reported a step: never a hang
     TRAINING = "training"
     VALIDATING = "validating"
     EXPORTING = "exporting"
@@ -32,6 +33,7 @@ class RankBeat:
     pid: int
     host: str
     attempt: int
+    metrics: dict[str, float] | None = None  # a user script's last report on this rank (clusterfit.session)
 
     @property
     def training(self) -> bool:
@@ -41,6 +43,8 @@ class RankBeat:
 def write_heartbeat(outputs: JobOutputs, beat: RankBeat) -> None:
     record = asdict(beat)
     del record["rank"]  # the file name says it
+    if record["metrics"] is None:
+        del record["metrics"]
     write_atomically(outputs.heartbeat(beat.rank), json.dumps(record))
 
 

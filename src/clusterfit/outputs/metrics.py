@@ -60,6 +60,20 @@ def read_records(path: Path, kinds: Iterable[RecordKind] | None = None) -> list[
     ]
 
 
+def last_record(path: Path, kind: RecordKind, tail_bytes: int = 65536) -> dict[str, Any] | None:
+    """The newest complete record of `kind`, read from the file's end only (a long job's file is large)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(f.seek(0, 2) - tail_bytes, 0))
+            lines = f.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    for record in reversed(list(_parse(lines))):
+        if record.get("kind") == kind.value:
+            return record
+    return None
+
+
 def _parse(lines: Iterable[str]) -> Iterable[dict[str, Any]]:
     for line in lines:
         if not line.strip():

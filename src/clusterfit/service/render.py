@@ -68,6 +68,9 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         if status.get("loss") is not None:
             parts.append(f"loss {status['loss']:.4f}")
         lines.append("progress: " + ", ".join(parts))
+    if status.get("metrics"):
+        shown = (f"{key} {value:.6g}" if isinstance(value, float) else f"{key} {value}" for key, value in status["metrics"].items())
+        lines.append("metrics: " + ", ".join(shown))
     for rank in status.get("ranks_health", []):
         rate = "" if rank["images_per_s"] is None else f", {rank['images_per_s']:.1f} images/s"
         lines.append(

@@ -8,7 +8,15 @@ from typing import Any
 
 import yaml
 
-from clusterfit.outputs import JobOutputs, Phase, RecordKind, read_heartbeats, read_records, read_summary
+from clusterfit.outputs import (
+    JobOutputs,
+    Phase,
+    RecordKind,
+    last_record,
+    read_heartbeats,
+    read_records,
+    read_summary,
+)
 from clusterfit.outputs.checkpoints import published
 from clusterfit.service.states import FailureCause, JobState
 from clusterfit.service.store import Job, JobStore, utcnow
@@ -73,9 +81,21 @@ def rank_health(job: Job) -> list[dict[str, Any]]:
     return rows
 
 
+# What status already shows on its progress line (or what is no metric); the rest of a train record is shown
+# as the job's own metrics (a user script reports any it likes).
+_PROGRESS_FIELDS = {"kind", "step", "time", "epoch", "total_steps", "images_per_s", "loss", "lr", "data_wait"}
+
+
+def latest_metrics(job: Job) -> dict[str, Any]:
+    """The newest train record's metrics beyond the progress line's (a user script's own names)."""
+    record = last_record(JobOutputs.at(job.outputs_dir).metrics, RecordKind.TRAIN) or {}
+    return {key: value for key, value in record.items() if key not in _PROGRESS_FIELDS}
+
+
 def job_status(store: JobStore, job: Job) -> dict[str, Any]:
     return {
         **job_row(job),
+        "metrics": latest_metrics(job),
         "outputs_dir": job.outputs_dir,
         "logs_dir": str(JobOutputs.at(job.outputs_dir).logs),
         "ranks_health": rank_health(job),

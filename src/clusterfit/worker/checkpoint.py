@@ -28,11 +28,12 @@ from clusterfit.outputs.checkpoints import (
     SHARED_STATE,
     TMP_PREFIX,
     checkpoint_name,
+    newest_verified,
+    publish,
     published,
     rank_file,
     read_manifest,
-    verify,
-    write_manifest,
+    wait_for_parts,
 )
 from clusterfit.worker.dist import DistEnv, barrier
 
@@ -128,12 +129,7 @@ class CheckpointStore:
         if self.env.is_main:
             # NOTE: the checkpoint only exists once every rank's part is durable; a part appears by rename.
             expected = [tmp / rank_file(rank) for rank in range(self.env.world_size)]
-            deadline = time.monotonic() + self.part_timeout_s
-            while not all(part.is_file() for part in expected):
-                if time.monotonic() > deadline:
-                    missing = [p.name for p in expected if not p.is_file()]
-                    raise TimeoutError(f"checkpoint step {step}: no {', '.join(missing)} after {self.part_timeout_s}s")
-                time.sleep(_PART_POLL_S)
+            wait_for_parts(expected, self.part_timeout_s, step)
             self._publish(tmp, final, step, info)
             log.info("checkpoint %s", final)
 
@@ -145,20 +141,13 @@ class CheckpointStore:
         fsync_dir(tmp)
 
     def _publish(self, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> None:
-        write_manifest(tmp, {"step": step, "world_size": self.env.world_size, "created": time.time(), **info})
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        fsync_dir(self.root)
-        self._prune()
+        manifest = {"step": step, "world_size": self.env.world_size, "created": time.time(), **info}
+        publish(tmp, final, manifest, self.keep)
 
     def load_latest(self, device: torch.device) -> LoadedCheckpoint | None:
         """The newest checkpoint that verifies; corrupt ones are reported and skipped, never deleted."""
-        for path in self.complete():
-            problem = verify(path)
-            if problem:
-                log.warning("checkpoint %s is unusable (%s); trying an older one", path.name, problem)
-                continue
+        path = newest_verified(self.root, _report_unusable)
+        if path is not None:
             shared = torch.load(path / SHARED_STATE, map_location=device, weights_only=True)
             own_path = path / rank_file(self.env.rank)
             same_world = read_manifest(path).get("world_size") == self.env.world_size
@@ -172,12 +161,10 @@ class CheckpointStore:
             for stale in self.root.glob(f"{TMP_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def _prune(self) -> None:
-        for old in self.complete()[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
 
 
-_PART_POLL_S = 0.01
+def _report_unusable(path: Path, problem: str) -> None:
+    log.warning("checkpoint %s is unusable (%s); trying an older one", path.name, problem)
 
 
 class _BackgroundSave(threading.Thread):

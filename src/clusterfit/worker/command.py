@@ -1,8 +1,8 @@
 """Command-job worker, started by torchrun on every engine: `python -m clusterfit.worker.command --spec job.yaml`.
 
-It turns torchrun's environment into the one `distribution.type` promises, then replaces itself with the
-user's command (exec), so the command's exit code and the signals torchrun or the engine send reach it
-unchanged.
+It turns torchrun's environment into the one `distribution.type` promises, starts the rank's liveness heartbeat
+(worker/liveness.py), tells clusterfit.session where the job's spec is, then replaces itself with the user's
+command (exec), so the command's exit code and the signals torchrun or the engine send reach it unchanged.
 
 - pytorch: torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT as is.
 - mpi: also OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE,NODE_RANK} and PMI_RANK / PMI_SIZE.
@@ -22,8 +22,10 @@ from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
-from clusterfit.outputs import RANK_LOG_ENV
+from clusterfit.outputs import ATTEMPT_ENV, LIVENESS_ENV, RANK_LOG_ENV, SPEC_ENV, JobOutputs
 from clusterfit.spec import load_spec
+from clusterfit.worker.dist_env import read_dist_env
+from clusterfit.worker.liveness import start_liveness
 
 _EXCHANGE_TIMEOUT = timedelta(minutes=10)
 
@@ -102,7 +104,11 @@ def main(argv: list[str] | None = None) -> None:
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())  # as the trainer: stderr into logs/rank-N.log too
     spec = load_spec(args.spec)
     assert spec.command is not None, "clusterfit.worker.command runs command jobs only"
-    env = command_env(spec.distribution.type, os.environ, spec.environment_variables)
+    # Forked first, while this process has no other threads (the tensorflow exchange below may start some).
+    attempt = int({**os.environ, **spec.environment_variables}.get(ATTEMPT_ENV, "1"))
+    liveness = start_liveness(JobOutputs.at(spec.outputs.dir), read_dist_env().rank, attempt)
+    session = {SPEC_ENV: str(Path(args.spec).resolve()), LIVENESS_ENV: liveness}
+    env = command_env(spec.distribution.type, os.environ, {**spec.environment_variables, **session})
     if spec.code is not None:
         os.chdir(spec.code)
     sys.stdout.flush()

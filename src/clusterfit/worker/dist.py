@@ -1,41 +1,16 @@
-"""The one place that reads the torch.distributed environment. No engine-specific code lives here."""
+"""torch.distributed for the trainer: device, process group, the collectives it needs. The environment is read in
+`dist_env.py`; no engine-specific code lives here."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from clusterfit.worker.dist_env import DistEnv, read_dist_env
 
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
-
-
-def read_dist_env(environ: dict[str, str] | None = None) -> DistEnv:
-    """RANK/WORLD_SIZE/LOCAL_RANK as set by torchrun (or any launcher); a plain `python` run is rank 0 of 1."""
-    env = os.environ if environ is None else environ
-    world_size = int(env.get("WORLD_SIZE", "1"))
-    return DistEnv(
-        rank=int(env.get("RANK", "0")),
-        world_size=world_size,
-        local_rank=int(env.get("LOCAL_RANK", "0")),
-        local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
-    )
+__all__ = ["DistEnv", "read_dist_env", "pick_device", "init_distributed", "shutdown_distributed", "barrier", "all_reduce_sum"]
 
 
 def pick_device(env: DistEnv) -> torch.device:

@@ -27,11 +27,17 @@ class _Beat:
     step: int
     monotonic: float
     wall: float
+    metrics: dict[str, float] | None = None
 
 
 class Heartbeat:
     def __init__(
-        self, outputs: JobOutputs, rank: int, hang_timeout: float, images_per_step: int, interval: float = 1.0
+        self,
+        outputs: JobOutputs,
+        rank: int,
+        hang_timeout: float,
+        images_per_step: int | None,
+        interval: float = 1.0,
     ) -> None:
         self.outputs = outputs
         self.rank = rank
@@ -45,10 +51,11 @@ class Heartbeat:
         self._pending: _Beat | None = None
         self._flush_timer: threading.Timer | None = None
 
-    def beat(self, phase: Phase, step: int, *, force: bool = False) -> None:
-        """Cheap enough for every step: it writes at most once a second (or at once when forced)."""
+    def beat(self, phase: Phase, step: int, *, force: bool = False, metrics: dict[str, float] | None = None) -> None:
+        """Cheap enough for every step: it writes at most once a second (or at once when forced).
+        `images_per_step` None: the rate is not known here (a user script reports its own, in `metrics`)."""
         with self._lock:
-            self._pending = _Beat(phase, step, time.monotonic(), time.time())
+            self._pending = _Beat(phase, step, time.monotonic(), time.time(), metrics)
             wait = 0.0 if self._written is None else self.interval - (self._pending.monotonic - self._written.monotonic)
             if force or wait <= 0:
                 self._write_pending()
@@ -67,9 +74,10 @@ class Heartbeat:
         beat, last = self._pending, self._written
         assert beat is not None
         self._pending = None
-        rate = None
-        if last is not None and beat.step > last.step and beat.monotonic > last.monotonic:
-            rate = (beat.step - last.step) * self.images_per_step / (beat.monotonic - last.monotonic)
+        rate = (beat.metrics or {}).get("images_per_s")
+        if self.images_per_step is not None and last is not None and beat.step > last.step:
+            if beat.monotonic > last.monotonic:
+                rate = (beat.step - last.step) * self.images_per_step / (beat.monotonic - last.monotonic)
         record = RankBeat(
             rank=self.rank,
             phase=beat.phase.value,
@@ -79,6 +87,7 @@ class Heartbeat:
             pid=os.getpid(),
             host=self.host,
             attempt=self.attempt,
+            metrics=beat.metrics,
         )
         write_heartbeat(self.outputs, record)
         self._written = beat

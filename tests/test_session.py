@@ -1,0 +1,117 @@
+"""clusterfit.session: a user's own training script reports, checkpoints and resumes like the built-in trainer.
+Real 2-rank jobs (torchrun, gloo on loopback) of tests/scripts/session_user.py, submitted through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, run_cli, wait_for, write_job
+
+from clusterfit.outputs import JobOutputs, read_heartbeats
+from clusterfit.service.local_jobs import LocalJobs
+from clusterfit.service.migrate import open_store
+from clusterfit.session import SessionError
+from clusterfit.session.checkpoints import CheckpointWriter, latest_checkpoint
+from clusterfit.session.context import JobContext
+from clusterfit.session.reporting import checked_record
+
+USER_SCRIPT = REPO / "tests" / "scripts" / "session_user.py"
+
+
+def session_job(tmp_path: Path, name: str, command: str, **changes: Any) -> Path:
+    code = tmp_path / "code"
+    code.mkdir(exist_ok=True)
+    shutil.copy(USER_SCRIPT, code / USER_SCRIPT.name)
+    job = {
+        "name": name,
+        "command": command,
+        "code": str(code),
+        "distribution": {"type": "pytorch", "process_count_per_instance": 2},
+        "resources": {"instance_count": 1, "backend": "local"},
+        "outputs": {"dir": str(tmp_path / name)},
+        **changes,
+    }
+    return write_job(tmp_path / f"{name}.yaml", job)
+
+
+def submit(spec: Path) -> str:
+    result = run_cli("submit", str(spec))
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def state(job_id: str) -> str:
+    return open_store().get(job_id).state
+
+
+def ended(job_id: str, timeout: float = 180) -> str:
+    return wait_for(lambda: state(job_id) in ("SUCCEEDED", "FAILED", "CANCELLED") and state(job_id), timeout, "end")
+
+
+def status(job_id: str) -> str:
+    result = run_cli("status", job_id)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def final_values(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"final-rank-{rank}.json").read_text()) for rank in range(2)]
+
+
+def context(tmp_path: Path, rank: int, hang_timeout: float = 600, token: str = "r1.0.0") -> JobContext:
+    return JobContext(rank, rank, 2, 2, 0, "unit", 1, tmp_path, hang_timeout, token)
+
+
+# --- the API's own rules, without a job ---------------------------------------------------------------------
+def test_a_wrong_metric_or_step_is_refused_in_one_line() -> None:
+    assert checked_record(3, {"loss": 1, "acc": 0.5}) == {"loss": 1.0, "acc": 0.5}
+    with pytest.raises(SessionError, match=r"report\(loss='high'\): metrics are numbers; pass a float"):
+        checked_record(3, {"loss": "high"})
+    with pytest.raises(SessionError, match=r"report\(step=-1\): step must be a whole number >= 0"):
+        checked_record(-1, {})
+    with pytest.raises(SessionError, match=r"'time' is the record's own field"):
+        checked_record(1, {"time": 2.0})
+
+
+def test_a_checkpoint_missing_a_rank_s_part_is_never_offered(tmp_path: Path) -> None:
+    rank0, rank1 = CheckpointWriter(context(tmp_path, 0, hang_timeout=0.5)), CheckpointWriter(context(tmp_path, 1))
+    for writer in (rank0, rank1):
+        with writer.save(2, keep=3) as folder:
+            (folder / "state.json").write_text(f"rank {writer.context.rank} at 2")
+    rank0.wait()
+    with rank0.save(4, keep=3) as folder:  # rank 1 never writes its part of step 4
+        (folder / "state.json").write_text("rank 0 at 4")
+    with pytest.raises(RuntimeError, match="step-00000004 was not published: checkpoint step 4: no rank-00001"):
+        rank0.wait()
+    checkpoints = JobOutputs.at(tmp_path).checkpoints
+    resume = latest_checkpoint(checkpoints, rank=1)
+    assert resume is not None and resume.step == 2
+    assert (resume.folder / "state.json").read_text() == "rank 1 at 2"
+    # A published checkpoint that lost a part afterwards is skipped too, for an older one (here none).
+    shutil.rmtree(resume.part(1))
+    assert latest_checkpoint(checkpoints, rank=0) is None
+    # A part a failed run left behind is removed by the next run's rank 0, never mixed into its checkpoints.
+    assert list(checkpoints.glob(".tmp-step-00000004.r1.0.0/rank-00000"))
+    CheckpointWriter(context(tmp_path, 0, token="r2.0.0"))
+    assert not list(checkpoints.glob(".tmp-*"))
+
+
+def test_outside_a_job_the_calls_work_and_write_nothing(tmp_path: Path) -> None:
+    script = (
+        "import sys, clusterfit.session as cf; cf.report(step=1, loss=0.5)\n"
+        "print('torch' in sys.modules, cf.context(), cf.latest_checkpoint())"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CLUSTERFIT_", "RANK", "WORLD_SIZE"))}
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("False JobContext(rank=0")  # no framework imported
+    assert "world_size=1" in done.stdout and done.stdout.strip().endswith("None")
+    assert list(tmp_path.iterdir()) == []
