@@ -115,3 +115,59 @@ def test_outside_a_job_the_calls_work_and_write_nothing(tmp_path: Path) -> None:
     assert done.stdout.startswith("False JobContext(rank=0")  # no framework imported
     assert "world_size=1" in done.stdout and done.stdout.strip().endswith("None")
     assert list(tmp_path.iterdir()) == []
+
+
+# --- real 2-rank jobs ----------------------------------------------------------------------------------------
+def test_a_reporting_script_shows_its_step_and_metrics_in_status_the_api_and_tensorboard(tmp_path: Path) -> None:
+    job_id = submit(session_job(tmp_path, "reports", "python session_user.py --steps 8 --sleep 0.4"))
+    def shown() -> str | None:
+        text = status(job_id)
+        return text if "metrics: score" in text and "progress: step " in text else None
+
+    running = wait_for(shown, 60, "a reported step and metric")
+    print(running)  # the status of a running user-script job
+    assert "RUNNING" in running and "/8 (" in running and "training step" in running
+    assert ended(job_id) == "SUCCEEDED", status(job_id)
+    final = status(job_id)
+    assert "progress: step 7/8" in final and "metrics: score " in final, final
+    series = LocalJobs(open_store(), start_jobs=False).metrics(job_id)
+    assert [record["step"] for record in series] == list(range(8))
+    assert series[-1]["score"] == pytest.approx(final_values(tmp_path / "reports")[0]["value"])
+    assert list((tmp_path / "reports" / "tensorboard").glob("events.out.tfevents.*"))
+    beats = read_heartbeats(JobOutputs.at(tmp_path / "reports"))
+    assert beats[1].metrics == {"total_steps": 8.0, "score": series[-1]["score"], "rank_value": 1.0}
+
+
+def test_a_script_that_stops_reporting_is_a_hang_with_every_rank_s_stacks(tmp_path: Path) -> None:
+    command = "python session_user.py --steps 50 --hang-at 2"
+    job_id = submit(session_job(tmp_path, "hangs", command, limits={"hang_timeout": 5}))
+    assert ended(job_id) == "FAILED"
+    text = status(job_id)
+    print(text)  # the status of a hung user-script job
+    assert "cause: hang: no progress (HANG)" in text and "every rank last reported step 2" in text
+    for rank in range(2):
+        log = (tmp_path / "hangs" / "logs" / f"rank-{rank}.log").read_text()
+        assert "most recent call first" in log and "session_user.py" in log, log
+
+
+def test_a_script_that_never_reports_is_alive_and_never_hung(tmp_path: Path) -> None:
+    job_id = submit(session_job(tmp_path, "silent", "sleep 9", limits={"hang_timeout": 5}))
+    beats = wait_for(lambda: len(b := read_heartbeats(JobOutputs.at(tmp_path / "silent"))) == 2 and b, 30, "beats")
+    assert {beat.phase for beat in beats.values()} == {"running"}
+    assert ended(job_id) == "SUCCEEDED", status(job_id)
+
+
+def test_a_rank_killed_mid_run_is_retried_from_the_last_complete_checkpoint_exactly(tmp_path: Path) -> None:
+    command = "python session_user.py --steps 14 --every 3 --sleep 0.25"
+    reference = run_cli("run", str(session_job(tmp_path, "whole", command)))
+    assert reference.returncode == 0, reference.stdout[-2000:] + reference.stderr[-2000:]
+    job_id = submit(session_job(tmp_path, "killed", command, limits={"max_retries": 1}))
+    out = JobOutputs.at(tmp_path / "killed")
+    wait_for(lambda: list(out.checkpoints.glob("step-*")), 60, "a published checkpoint")
+    os.kill(read_heartbeats(out)[1].pid, signal.SIGKILL)
+    assert ended(job_id) == "SUCCEEDED", status(job_id)
+    job = open_store().get(job_id)
+    assert job.attempt == 2
+    resumed = (out.root / "logs" / "rank-1.log").read_text()
+    assert "resumed from step " in resumed and "(attempt 2)" in resumed
+    assert final_values(out.root) == final_values(tmp_path / "whole")

@@ -38,6 +38,7 @@ class Reporter:
         self._heartbeat.beat(Phase.TRAINING, step, metrics=record)
 
     def close(self) -> None:
+        self._heartbeat.flush()  # the heartbeat ends at the script's true last step
         self._sinks.close()
 
 

@@ -60,12 +60,15 @@ class Heartbeat:
             if force or wait <= 0:
                 self._write_pending()
             elif self._flush_timer is None:
-                self._flush_timer = threading.Timer(wait, self._flush)
+                self._flush_timer = threading.Timer(wait, self.flush)
                 self._flush_timer.daemon = True
                 self._flush_timer.start()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Writes a beat still held back by the once-a-second limit (before the process ends)."""
         with self._lock:
+            if self._flush_timer is not None:
+                self._flush_timer.cancel()
             self._flush_timer = None
             if self._pending is not None:
                 self._write_pending()
