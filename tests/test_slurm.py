@@ -15,8 +15,10 @@ import pytest
 from conftest import REPO, cli_command, exported_weights, run_cli, tiny_job, wait_for, write_job
 from slurm_cluster import SlurmCluster, missing_reason
 from test_command_jobs import command_job, rank_logs, user_code
+from test_session import final_values, session_job
 
 from clusterfit.backends.slurm import SCRIPT, sbatch_script
+from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.migrate import open_store
 from clusterfit.spec import validate_spec
 
@@ -178,6 +180,36 @@ def test_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: Sl
     assert "step-00000040" in stopped and len(stopped) == 2, stopped  # the requested one, and the end
     assert exported_weights(out)
 
+
+
+def test_a_session_script_stops_on_the_time_limit_signal_checkpoints_and_resumes(
+    slurm: SlurmCluster, tmp_path: Path
+) -> None:
+    """A user script (clusterfit.session) sees the signal in should_stop(), checkpoints, the job is requeued,
+    and the script resumes from that checkpoint to the state an uninterrupted run ends with."""
+    command = "python session_user.py --steps 40 --every 1000 --sleep 0.25"
+    reference = run_cli("run", str(session_job(tmp_path, "whole", command)))
+    assert reference.returncode == 0, reference.stdout[-2000:] + reference.stderr[-2000:]
+    out = tmp_path / "stopped"
+    spec = session_job(tmp_path, "stopped", command, resources={"instance_count": 1, "backend": "slurm"})
+    launcher = _launch(spec, tmp_path)
+    try:
+        wait_for(lambda: any(beat.step >= 2 for beat in read_heartbeats(JobOutputs.at(out)).values()), 240, "step 2")
+        job_id = _job_ids(slurm)[0]
+        assert slurm.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
+        deadline = time.monotonic() + 120
+        while "Restarts=1" not in slurm.run("scontrol", "show", "job", job_id).stdout:
+            assert time.monotonic() < deadline, "the job was not requeued"
+            time.sleep(0.5)
+        output, _ = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output[-3000:]
+    # The stopped run's logs were rotated to rank-N.log.1 when the requeued run started.
+    logs = "\n".join(path.read_text() for path in sorted((out / "logs").glob("rank-*.log*")))
+    assert "on request" in logs and "resumed from step" in logs, logs[-3000:]
+    assert final_values(out) == final_values(tmp_path / "whole")
 
 @contextmanager
 def _controller_down(slurm: SlurmCluster) -> Iterator[None]:
