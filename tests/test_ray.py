@@ -17,9 +17,12 @@ import pytest
 from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 from raycluster import RayCluster
 from test_command_jobs import command_job, user_code
+from test_session import session_job
 
 from clusterfit.backends.ray import AgentState, job_exit_code
+from clusterfit.outputs import JobOutputs, read_heartbeats, read_records
 from clusterfit.service.migrate import open_store
+from clusterfit.session.checkpoints import latest_checkpoint
 
 # One worker runs them all: they share one ray cluster, started once per session.
 pytestmark = pytest.mark.xdist_group("ray")
@@ -301,4 +304,34 @@ def test_a_gpu_job_gets_a_gpu_bundle_on_each_ray_node(ray_cluster: RayCluster, t
     stdout = _run_to_success(ray_cluster, write_job(tmp_path / "job.yaml", job))
     for rank in range(2):
         assert f"[rank{rank}] visible GPUs: 0" in stdout, stdout[-3000:]
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
+
+
+def test_a_session_script_reports_checkpoints_and_resumes_on_two_ray_nodes(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    """clusterfit.session on Ray: each node's rank reports and writes its part; a second run resumes from them."""
+    out = JobOutputs.at(tmp_path / "on-ray")
+    spec = session_job(tmp_path, "on-ray", "python session_user.py --steps 6 --every 3")
+
+    def run(*changes: str) -> str:
+        result = subprocess.run(
+            cli_command("run", str(spec), *ON_RAY, *changes),
+            env=ray_cluster.client_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result.stdout
+
+    run()
+    assert [record["step"] for record in read_records(out.metrics)] == list(range(6))
+    beats = read_heartbeats(out)
+    assert {rank: beat.metrics["node"] for rank, beat in beats.items()} == {0: 0.0, 1: 1.0}  # one rank per node
+    resume = latest_checkpoint(out.checkpoints, rank=1)
+    assert resume is not None and resume.step == 5 and resume.world_size == 2
+    resumed = run("--set", "command=python session_user.py --steps 9 --every 3")
+    assert "resumed from step 5" in resumed
+    assert latest_checkpoint(out.checkpoints, rank=0).step == 8
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}

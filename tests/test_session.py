@@ -135,7 +135,8 @@ def test_a_reporting_script_shows_its_step_and_metrics_in_status_the_api_and_ten
     assert series[-1]["score"] == pytest.approx(final_values(tmp_path / "reports")[0]["value"])
     assert list((tmp_path / "reports" / "tensorboard").glob("events.out.tfevents.*"))
     beats = read_heartbeats(JobOutputs.at(tmp_path / "reports"))
-    assert beats[1].metrics == {"total_steps": 8.0, "score": series[-1]["score"], "rank_value": 1.0}
+    expected = {"total_steps": 8.0, "score": series[-1]["score"], "rank_value": 1.0, "node": 0.0}
+    assert beats[1].metrics == expected
 
 
 def test_a_script_that_stops_reporting_is_a_hang_with_every_rank_s_stacks(tmp_path: Path) -> None:

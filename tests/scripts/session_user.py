@@ -36,7 +36,7 @@ def main() -> None:
         drawn = torch.tensor([rng.random()], dtype=torch.float64)
         dist.all_reduce(drawn)
         value = value * 0.5 + drawn.item()
-        cf.report(step=step, total_steps=args.steps, score=value, rank_value=float(ctx.rank))
+        cf.report(step=step, total_steps=args.steps, score=value, rank_value=float(ctx.rank), node=float(ctx.node_rank))
         if step == args.hang_at:
             time.sleep(3600)
         stop = cf.should_stop()
