@@ -172,3 +172,13 @@ def test_a_rank_killed_mid_run_is_retried_from_the_last_complete_checkpoint_exac
     resumed = (out.root / "logs" / "rank-1.log").read_text()
     assert "resumed from step " in resumed and "(attempt 2)" in resumed
     assert final_values(out.root) == final_values(tmp_path / "whole")
+
+
+def test_the_resume_example_is_killed_and_resumes_through_the_torch_helper(tmp_path: Path) -> None:
+    example = REPO / "examples" / "session" / "resume-after-kill.yaml"
+    command = "python train_ddp.py --steps 30 --kill-at 25 --checkpoint-every 10"
+    result = run_cli("run", str(example), "--set", f"outputs.dir={tmp_path}", "--set", f"command={command}", cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[rank1] resumed at step 20 (attempt 2)" in result.stdout
+    kept = sorted(path.name for path in JobOutputs.at(tmp_path).checkpoints.glob("step-*"))
+    assert kept == ["step-00000019", "step-00000029"]  # keep=2

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from clusterfit.monitoring.logtail import LogFollower
 from clusterfit.monitoring.tracebacks import HeldTracebacks
-from clusterfit.outputs import JobOutputs, MetricsTail, RecordKind
+from clusterfit.outputs import JobOutputs, MetricsTail, RecordKind, metrics_text
 
 
 class LiveView:
@@ -68,7 +68,7 @@ def _train_stats(record: dict[str, Any]) -> str:
     if "epoch" in record and "images_per_s" in record:
         return f"epoch {record['epoch']} loss {record['loss']:.3f} {record['images_per_s']:.1f} img/s"
     shown = {key: value for key, value in record.items() if key not in ("kind", "step", "time", "total_steps")}
-    return " ".join(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}" for key, value in shown.items())
+    return metrics_text(shown, " ")
 
 
 def _update(bar: Progress, task: Any, record: dict[str, Any]) -> None:

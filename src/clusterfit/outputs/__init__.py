@@ -15,7 +15,15 @@ from clusterfit.outputs.env import (
 )
 from clusterfit.outputs.heartbeats import Phase, RankBeat, clear_heartbeats, read_heartbeats, write_heartbeat
 from clusterfit.outputs.layout import JobOutputs, model_torchscript, model_weights
-from clusterfit.outputs.metrics import MetricsTail, MetricsWriter, RecordKind, last_record, read_records
+from clusterfit.outputs.metrics import (
+    MetricsTail,
+    MetricsWriter,
+    RecordKind,
+    last_record,
+    metrics_text,
+    own_metrics,
+    read_records,
+)
 from clusterfit.outputs.summary import finished_this_run, read_summary, write_summary
 
 __all__ = [
@@ -34,8 +42,10 @@ __all__ = [
     "clear_heartbeats",
     "finished_this_run",
     "last_record",
+    "metrics_text",
     "model_torchscript",
     "model_weights",
+    "own_metrics",
     "read_heartbeats",
     "read_records",
     "read_summary",

@@ -18,6 +18,21 @@ class RecordKind(str, enum.Enum):
     END = "end"
 
 
+# A train record's fields that are not a metric of the script's own: the record's, and the progress fields that
+# status shows on its progress line. The rest is whatever a user script reported (clusterfit.session).
+PROGRESS_FIELDS = frozenset({"kind", "step", "time", "epoch", "total_steps", "images_per_s", "loss", "lr", "data_wait"})
+
+
+def own_metrics(record: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in record.items() if key not in PROGRESS_FIELDS}
+
+
+def metrics_text(metrics: dict[str, Any], separator: str = ", ") -> str:
+    """`name value` pairs as status and the progress bar print them."""
+    pairs = (f"{key} {value:.6g}" if isinstance(value, float) else f"{key} {value}" for key, value in metrics.items())
+    return separator.join(pairs)
+
+
 class MetricsWriter:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)

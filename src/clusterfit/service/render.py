@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 from rich.table import Table
 
+from clusterfit.outputs import metrics_text
 from clusterfit.service.views import age
 
 _STATE_STYLE = {
@@ -69,8 +70,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
             parts.append(f"loss {status['loss']:.4f}")
         lines.append("progress: " + ", ".join(parts))
     if status.get("metrics"):
-        shown = (f"{key} {value:.6g}" if isinstance(value, float) else f"{key} {value}" for key, value in status["metrics"].items())
-        lines.append("metrics: " + ", ".join(shown))
+        lines.append("metrics: " + metrics_text(status["metrics"]))
     for rank in status.get("ranks_health", []):
         rate = "" if rank["images_per_s"] is None else f", {rank['images_per_s']:.1f} images/s"
         lines.append(

@@ -13,6 +13,7 @@ from clusterfit.outputs import (
     Phase,
     RecordKind,
     last_record,
+    own_metrics,
     read_heartbeats,
     read_records,
     read_summary,
@@ -81,15 +82,9 @@ def rank_health(job: Job) -> list[dict[str, Any]]:
     return rows
 
 
-# What status already shows on its progress line (or what is no metric); the rest of a train record is shown
-# as the job's own metrics (a user script reports any it likes).
-_PROGRESS_FIELDS = {"kind", "step", "time", "epoch", "total_steps", "images_per_s", "loss", "lr", "data_wait"}
-
-
 def latest_metrics(job: Job) -> dict[str, Any]:
     """The newest train record's metrics beyond the progress line's (a user script's own names)."""
-    record = last_record(JobOutputs.at(job.outputs_dir).metrics, RecordKind.TRAIN) or {}
-    return {key: value for key, value in record.items() if key not in _PROGRESS_FIELDS}
+    return own_metrics(last_record(JobOutputs.at(job.outputs_dir).metrics, RecordKind.TRAIN) or {})
 
 
 def job_status(store: JobStore, job: Job) -> dict[str, Any]:

@@ -48,7 +48,11 @@ def read_context(environ: Mapping[str, str] | None = None) -> JobContext:
         name, outputs_dir, hang_timeout = spec.name, Path(spec.outputs.dir), float(spec.limits.hang_timeout)
     attempt = int(env.get(ATTEMPT_ENV, "1"))
     # NOTE: a retry bumps the attempt, a Slurm requeue its restart count, torchrun's own restart its count.
-    restarts = [env.get(ATTEMPT_ENV, "1"), env.get("SLURM_RESTART_COUNT", "0"), env.get("TORCHELASTIC_RESTART_COUNT", "0")]
+    restarts = [
+        env.get(ATTEMPT_ENV, "1"),
+        env.get("SLURM_RESTART_COUNT", "0"),
+        env.get("TORCHELASTIC_RESTART_COUNT", "0"),
+    ]
     return JobContext(
         rank=dist.rank,
         local_rank=dist.local_rank,

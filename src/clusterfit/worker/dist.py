@@ -10,7 +10,15 @@ import torch.distributed as dist
 
 from clusterfit.worker.dist_env import DistEnv, read_dist_env
 
-__all__ = ["DistEnv", "read_dist_env", "pick_device", "init_distributed", "shutdown_distributed", "barrier", "all_reduce_sum"]
+__all__ = [
+    "DistEnv",
+    "all_reduce_sum",
+    "barrier",
+    "init_distributed",
+    "pick_device",
+    "read_dist_env",
+    "shutdown_distributed",
+]
 
 
 def pick_device(env: DistEnv) -> torch.device:
