@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import tiny_job
+from test_session import session_job
 from service_server import ServerProcess, cancel_active_jobs, client, make_token
 from services import find, skip_reason
 
@@ -131,3 +132,27 @@ def test_dashboard_shows_a_real_job_live(browser_page, tmp_path: Path, no_jobs_l
         page.click("#cancel")
         expect(page.locator("#job-state")).to_have_text("CANCELLED", timeout=60_000)
         expect(page.locator("#job-cause")).to_contain_text("cancelled by user")
+
+
+def test_dashboard_charts_a_user_script_s_own_metric(
+    browser_page,  # noqa: ANN001
+    tmp_path: Path,
+    no_jobs_left_behind,  # noqa: ANN001
+) -> None:
+    """A command job whose script reports through clusterfit.session, without a loss: its own metric is charted."""
+    from playwright.sync_api import expect
+
+    page = browser_page
+    submitter = make_token("submit", name="dashboard-user")
+    job = yaml.safe_load(session_job(tmp_path, "script", "python session_user.py --steps 8").read_text())
+    with ServerProcess() as server, client(server.url, submitter) as http:
+        job_id = http.post("/api/jobs", json={"spec": yaml.safe_dump(job)}).json()["id"]
+        assert _wait_for_state(job_id, {"SUCCEEDED", "FAILED"}, timeout=120) == "SUCCEEDED"
+        page.goto(f"{server.url}/#/jobs/{job_id}")
+        page.fill("#token", submitter)
+        page.click("#login-form button")
+        expect(page.locator("#loss-caption")).to_have_text("score", timeout=10_000)
+        expect(page.locator("#job-summary")).to_contain_text("step 7/8")
+        expect(page.locator("#job-summary")).to_contain_text("; score ")
+        page.wait_for_timeout(1500)  # one more poll: the chart is drawn from the same response as the rows
+        assert _line_pixels(page.locator("#loss-chart").screenshot(), LOSS_COLOUR) > 200

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import random
 import shutil
 import threading
@@ -147,20 +146,19 @@ class CheckpointStore:
     def load_latest(self, device: torch.device) -> LoadedCheckpoint | None:
         """The newest checkpoint that verifies; corrupt ones are reported and skipped, never deleted."""
         path = newest_verified(self.root, _report_unusable)
-        if path is not None:
-            shared = torch.load(path / SHARED_STATE, map_location=device, weights_only=True)
-            own_path = path / rank_file(self.env.rank)
-            same_world = read_manifest(path).get("world_size") == self.env.world_size
-            own = torch.load(own_path, map_location="cpu", weights_only=True) if same_world else None
-            return LoadedCheckpoint(path, shared, own)
-        return None
+        if path is None:
+            return None
+        shared = torch.load(path / SHARED_STATE, map_location=device, weights_only=True)
+        own_path = path / rank_file(self.env.rank)
+        same_world = read_manifest(path).get("world_size") == self.env.world_size
+        own = torch.load(own_path, map_location="cpu", weights_only=True) if same_world else None
+        return LoadedCheckpoint(path, shared, own)
 
     def clean_partial(self) -> None:
         """Remove temp folders of checkpoints that a crash interrupted; they were never published."""
         if self.env.is_main and self.root.is_dir():
             for stale in self.root.glob(f"{TMP_PREFIX}*"):
                 shutil.rmtree(stale, ignore_errors=True)
-
 
 
 def _report_unusable(path: Path, problem: str) -> None:

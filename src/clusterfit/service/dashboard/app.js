@@ -115,13 +115,18 @@ async function renderJob(id) {
   const attempt = job.attempt ? `attempt ${job.attempt} of ${job.max_retries + 1}` : "not started";
   $("job-summary").textContent =
     `${job.backend} engine, ${job.ranks} rank(s), ${attempt}; step ${progress(job)}, ` +
-    `${fixed(job.images_per_s, 1)} images/s, loss ${fixed(job.loss, 4)}; outputs ${job.outputs_dir}`;
+    `${fixed(job.images_per_s, 1)} images/s, loss ${fixed(job.loss, 4)}; outputs ${job.outputs_dir}` +
+    Object.entries(job.metrics || {}).map(([key, value]) => `; ${key} ${fixed(value, 4)}`).join("");
   $("job-cause").textContent = job.cause ? `${job.cause_words}: ${job.cause_detail || ""}` : "";
   $("cancel").hidden = !["QUEUED", "STAGING", "RUNNING", "RETRYING"].includes(job.state);
   $("cancel").onclick = () => cancelJob(job.id);
 
   const train = metrics.filter((m) => m.kind === "train");
-  drawChart($("loss-chart"), train.filter((m) => m.loss != null).map((m) => [m.step, m.loss]), LINE_COLOURS.loss);
+  // A user script that reports no loss gets its first own metric charted instead.
+  const charted = train.some((m) => m.loss != null) ? "loss" : Object.keys(job.metrics || {})[0] || "loss";
+  $("loss-caption").textContent = charted === "loss" ? "training loss" : charted;
+  const points = train.filter((m) => m[charted] != null).map((m) => [m.step, m[charted]]);
+  drawChart($("loss-chart"), points, LINE_COLOURS.loss);
   drawChart(
     $("rate-chart"),
     train.filter((m) => m.images_per_s != null).map((m) => [m.step, m.images_per_s]),
