@@ -3,6 +3,7 @@ Real 2-rank jobs (torchrun, gloo on loopback) of tests/scripts/session_user.py, 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ from typing import Any
 import pytest
 from conftest import REPO, run_cli, wait_for, write_job
 
-from clusterfit.outputs import JobOutputs, read_heartbeats
+from clusterfit.outputs import JobOutputs, read_heartbeats, read_records
 from clusterfit.service.local_jobs import LocalJobs
 from clusterfit.service.migrate import open_store
 from clusterfit.session import SessionError
@@ -182,3 +183,20 @@ def test_the_resume_example_is_killed_and_resumes_through_the_torch_helper(tmp_p
     assert "[rank1] resumed at step 20 (attempt 2)" in result.stdout
     kept = sorted(path.name for path in JobOutputs.at(tmp_path).checkpoints.glob("step-*"))
     assert kept == ["step-00000019", "step-00000029"]  # keep=2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="keras is not installed (the test extra has it)")
+def test_the_keras_callback_reports_every_batch(tmp_path: Path) -> None:
+    spec = session_job(
+        tmp_path,
+        "keras",
+        "python keras_user.py",
+        environment_variables={"KERAS_BACKEND": "torch"},
+        distribution={"type": "pytorch", "process_count_per_instance": 1},
+    )
+    shutil.copy(REPO / "tests" / "scripts" / "keras_user.py", tmp_path / "code")
+    result = run_cli("run", str(spec))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = read_records(JobOutputs.at(tmp_path / "keras").metrics)
+    assert [record["step"] for record in records] == list(range(8))  # 4 batches x 2 epochs
+    assert all(record["loss"] > 0 for record in records)
