@@ -200,3 +200,15 @@ def test_the_keras_callback_reports_every_batch(tmp_path: Path) -> None:
     records = read_records(JobOutputs.at(tmp_path / "keras").metrics)
     assert [record["step"] for record in records] == list(range(8))  # 4 batches x 2 epochs
     assert all(record["loss"] > 0 for record in records)
+
+
+def test_a_cancel_reaches_should_stop_and_the_script_checkpoints_before_it_ends(tmp_path: Path) -> None:
+    job_id = submit(session_job(tmp_path, "cancelled", "python session_user.py --steps 1000 --every 1000 --sleep 0.2"))
+    out = JobOutputs.at(tmp_path / "cancelled")
+    wait_for(lambda: any(beat.step >= 2 for beat in read_heartbeats(out).values()), 60, "step 2")
+    assert run_cli("cancel", job_id).returncode == 0
+    assert ended(job_id) == "CANCELLED"
+    logs = "\n".join(path.read_text() for path in sorted(out.logs.glob("rank-*.log")))
+    assert logs.count("on request") == 2, logs  # both ranks saw SIGTERM in should_stop()
+    stopped = latest_checkpoint(out.checkpoints, rank=0)
+    assert stopped is not None and stopped.step >= 2  # every 1000 steps, so only the stop wrote one
