@@ -123,14 +123,14 @@ def test_a_reporting_script_shows_its_step_and_metrics_in_status_the_api_and_ten
     job_id = submit(session_job(tmp_path, "reports", "python session_user.py --steps 8 --sleep 0.4"))
     def shown() -> str | None:
         text = status(job_id)
-        return text if "metrics: score" in text and "progress: step " in text else None
+        return text if "metrics at step " in text and "progress: step " in text else None
 
     running = wait_for(shown, 60, "a reported step and metric")
     print(running)  # the status of a running user-script job
     assert "RUNNING" in running and "/8 (" in running and "training step" in running
     assert ended(job_id) == "SUCCEEDED", status(job_id)
     final = status(job_id)
-    assert "progress: step 7/8" in final and "metrics: score " in final, final
+    assert "progress: step 7/8" in final and "metrics at step 7: score " in final, final
     series = LocalJobs(open_store(), start_jobs=False).metrics(job_id)
     assert [record["step"] for record in series] == list(range(8))
     assert series[-1]["score"] == pytest.approx(final_values(tmp_path / "reports")[0]["value"])

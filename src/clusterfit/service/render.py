@@ -70,7 +70,7 @@ def status_lines(status: dict[str, Any]) -> list[str]:
             parts.append(f"loss {status['loss']:.4f}")
         lines.append("progress: " + ", ".join(parts))
     if status.get("metrics"):
-        lines.append("metrics: " + metrics_text(status["metrics"]))
+        lines.append(f"metrics at step {status['metrics_step']}: " + metrics_text(status["metrics"]))
     for rank in status.get("ranks_health", []):
         rate = "" if rank["images_per_s"] is None else f", {rank['images_per_s']:.1f} images/s"
         lines.append(

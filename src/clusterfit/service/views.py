@@ -82,15 +82,19 @@ def rank_health(job: Job) -> list[dict[str, Any]]:
     return rows
 
 
-def latest_metrics(job: Job) -> dict[str, Any]:
-    """The newest train record's metrics beyond the progress line's (a user script's own names)."""
-    return own_metrics(last_record(JobOutputs.at(job.outputs_dir).metrics, RecordKind.TRAIN) or {})
+def latest_metrics(job: Job) -> tuple[int | None, dict[str, Any]]:
+    """The newest train record's step and its metrics beyond the progress line's (a user script's own names).
+    Read live from metrics.jsonl, so its step may be ahead of the stored progress."""
+    record = last_record(JobOutputs.at(job.outputs_dir).metrics, RecordKind.TRAIN) or {}
+    return record.get("step"), own_metrics(record)
 
 
 def job_status(store: JobStore, job: Job) -> dict[str, Any]:
+    metrics_step, metrics = latest_metrics(job)
     return {
         **job_row(job),
-        "metrics": latest_metrics(job),
+        "metrics_step": metrics_step,
+        "metrics": metrics,
         "outputs_dir": job.outputs_dir,
         "logs_dir": str(JobOutputs.at(job.outputs_dir).logs),
         "ranks_health": rank_health(job),
