@@ -91,7 +91,9 @@ def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path, ray_cluster) ->
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())
     ray = next(c for c in report["cells"] if c["system"] == "Ray Train")
-    assert ray["workers"] == 2 and ray["threads_per_rank"] >= 1 and [len(run) for run in ray["step_images_per_s"]] == [3]
+    assert (
+        ray["workers"] == 2 and ray["threads_per_rank"] >= 1 and [len(run) for run in ray["step_images_per_s"]] == [3]
+    )
     assert report["ratios"][0]["clusterfit_over_ray_train"] > 0
     assert "clusterfit ÷ Ray Train" in result.stdout and "| resnet_tiny | 2 | Ray Train |" in result.stdout
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import tiny_job
-from test_session import session_job
 from service_server import ServerProcess, cancel_active_jobs, client, make_token
 from services import find, skip_reason
+from test_session import session_job
 
 from clusterfit.service.migrate import open_store
 

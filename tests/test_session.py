@@ -121,6 +121,7 @@ def test_outside_a_job_the_calls_work_and_write_nothing(tmp_path: Path) -> None:
 # --- real 2-rank jobs ----------------------------------------------------------------------------------------
 def test_a_reporting_script_shows_its_step_and_metrics_in_status_the_api_and_tensorboard(tmp_path: Path) -> None:
     job_id = submit(session_job(tmp_path, "reports", "python session_user.py --steps 8 --sleep 0.4"))
+
     def shown() -> str | None:
         text = status(job_id)
         return text if "metrics at step " in text and "progress: step " in text else None

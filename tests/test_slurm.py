@@ -181,7 +181,6 @@ def test_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: Sl
     assert exported_weights(out)
 
 
-
 def test_a_session_script_stops_on_the_time_limit_signal_checkpoints_and_resumes(
     slurm: SlurmCluster, tmp_path: Path
 ) -> None:
@@ -210,6 +209,7 @@ def test_a_session_script_stops_on_the_time_limit_signal_checkpoints_and_resumes
     logs = "\n".join(path.read_text() for path in sorted((out / "logs").glob("rank-*.log*")))
     assert "on request" in logs and "resumed from step" in logs, logs[-3000:]
     assert final_values(out) == final_values(tmp_path / "whole")
+
 
 @contextmanager
 def _controller_down(slurm: SlurmCluster) -> Iterator[None]:

@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from clusterfit.outputs import JobOutputs
-from clusterfit.session.checkpoints import Checkpoint, CheckpointWriter, latest_checkpoint as _latest_in
+from clusterfit.session.checkpoints import Checkpoint, CheckpointWriter
+from clusterfit.session.checkpoints import latest_checkpoint as _latest_in
 from clusterfit.session.context import JobContext, read_context
 from clusterfit.session.errors import SessionError
 from clusterfit.session.reporting import Reporter, checked_record
@@ -135,4 +136,3 @@ def should_stop() -> bool:
 def wait_for_checkpoints() -> None:
     """Until rank 0's last checkpoint is published (done at exit anyway)."""
     _session().wait_for_checkpoints()
-

@@ -78,9 +78,9 @@ class Heartbeat:
         assert beat is not None
         self._pending = None
         rate = (beat.metrics or {}).get("images_per_s")
-        if self.images_per_step is not None and last is not None and beat.step > last.step:
-            if beat.monotonic > last.monotonic:
-                rate = (beat.step - last.step) * self.images_per_step / (beat.monotonic - last.monotonic)
+        measurable = last is not None and beat.step > last.step and beat.monotonic > last.monotonic
+        if self.images_per_step is not None and measurable:
+            rate = (beat.step - last.step) * self.images_per_step / (beat.monotonic - last.monotonic)
         record = RankBeat(
             rank=self.rank,
             phase=beat.phase.value,
