@@ -47,26 +47,21 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) ->
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "1", "--image-size", "32", "--batch", "2",
         "--steps", "3", "--warmup", "1", "--precision", "fp32", "--no-ray", "--cores-per-rank", "1",
-        "--rounds", "2", "--out", str(tmp_path),
+        "--rounds", "1", "--out", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())
     assert report["config"]["cores_per_rank"] == 1
     assert all(cell["threads_per_rank"] == 1 for cell in report["cells"])
     assert set(report) == {"config", "machine", "precision", "cells", "ratios", "orders"}
-    # Two rounds in alternation, the second starting with the system that came second in the first.
-    assert report["orders"] == {
-        "resnet_tiny/1": [
-            ["compute only", "hand-written DDP", "clusterfit"],
-            ["hand-written DDP", "clusterfit", "compute only"],
-        ]
-    }
+    # One round here (each run costs seconds of start-up); the rotation of more rounds is tested on its own.
+    assert report["orders"] == {"resnet_tiny/1": [["compute only", "hand-written DDP", "clusterfit"]]}
     assert {"cpu", "cores", "torch"} <= set(report["machine"]) and report["precision"] == "fp32"
     cells = {(c["system"], c["workers"]): c for c in report["cells"]}
     assert set(cells) == {("hand-written DDP", 1), ("clusterfit", 1)}
     for cell in cells.values():
-        assert [len(run) for run in cell["step_images_per_s"]] == [3, 3] and len(cell["round_images_per_s"]) == 2
-        assert cell["images_per_s"] == pytest.approx(sum(cell["round_images_per_s"]) / 2)  # the median of two
+        assert [len(run) for run in cell["step_images_per_s"]] == [3] and len(cell["round_images_per_s"]) == 1
+        assert cell["images_per_s"] == cell["round_images_per_s"][0]
         assert cell["scaling_efficiency"] == 1.0 and cell["threads_per_rank"] >= 1
     assert [(r["model"], r["workers"]) for r in report["ratios"]] == [("resnet_tiny", 1)]
     assert set(report["ratios"][0]) == {"model", "workers", "clusterfit_over_hand_written_ddp"}
