@@ -105,6 +105,24 @@ def test_a_checkpoint_missing_a_rank_s_part_is_never_offered(tmp_path: Path) -> 
     assert not list(checkpoints.glob(".tmp-*"))
 
 
+def test_a_folder_reused_by_a_trainer_job_and_a_script_never_mixes_their_checkpoints(tmp_path: Path) -> None:
+    from clusterfit.outputs.checkpoints import SHARED_STATE, checkpoint_name, newest_verified, publish
+
+    checkpoints = JobOutputs.at(tmp_path).checkpoints
+    trainer_tmp = checkpoints / ".tmp-trainer"  # a trainer's checkpoint at step 2, as the trainer publishes it
+    trainer_tmp.mkdir(parents=True)
+    (trainer_tmp / SHARED_STATE).write_bytes(b"weights")
+    publish(trainer_tmp, checkpoints / checkpoint_name(2), {"step": 2, "world_size": 2}, keep=3)
+    rank0, rank1 = CheckpointWriter(context(tmp_path, 0)), CheckpointWriter(context(tmp_path, 1))
+    for writer in (rank0, rank1):  # then a 2-rank script's, newer, at step 5
+        with writer.save(5, keep=3) as folder:
+            (folder / "state.json").write_text("script at 5")
+    rank0.wait()
+    assert newest_verified(checkpoints) == checkpoints / checkpoint_name(2)  # what the trainer resumes from
+    resume = latest_checkpoint(checkpoints, rank=0)
+    assert resume is not None and resume.step == 5
+
+
 def test_outside_a_job_the_calls_work_and_write_nothing(tmp_path: Path) -> None:
     script = (
         "import sys, clusterfit.session as cf; cf.report(step=1, loss=0.5)\n"

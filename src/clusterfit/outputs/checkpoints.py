@@ -94,10 +94,16 @@ def verify(path: Path) -> str | None:
     return None
 
 
-def newest_verified(root: Path, on_unusable: Any = None) -> Path | None:
-    """The newest published checkpoint that verifies; `on_unusable(path, problem)` hears of each one skipped
-    (corrupt ones are reported and skipped, never deleted)."""
+def newest_verified(root: Path, on_unusable: Any = None, *, of_script: bool = False) -> Path | None:
+    """The newest published checkpoint of one kind (the trainer's, or a user script's with `of_script`) that
+    verifies; `on_unusable(path, problem)` hears of each one skipped (corrupt ones are reported and skipped, never
+    deleted). The other kind is passed over: a folder reused by a trainer job and a script never mixes them."""
     for path in published(root):
+        try:
+            if (PARTS_KEY in read_manifest(path)) != of_script:
+                continue
+        except (OSError, ValueError):
+            pass  # verify() names the unreadable manifest
         problem = verify(path)
         if problem is None:
             return path

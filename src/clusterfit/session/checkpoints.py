@@ -23,12 +23,11 @@ from clusterfit.outputs.checkpoints import (
     PARTS_KEY,
     TMP_PREFIX,
     checkpoint_name,
+    newest_verified,
     publish,
-    published,
     rank_folder,
     read_manifest,
     step_of,
-    verify,
     wait_for_parts,
 )
 from clusterfit.session.context import JobContext
@@ -57,14 +56,10 @@ class Checkpoint:
 
 def latest_checkpoint(root: Path, rank: int) -> Checkpoint | None:
     """The newest published checkpoint whose every part and file verifies; a damaged one is skipped for an older."""
-    for path in published(root):
-        if verify(path) is not None:
-            continue
-        manifest = read_manifest(path)
-        if PARTS_KEY not in manifest:
-            continue  # the built-in trainer's, not a script's
-        return Checkpoint(step_of(path), path, int(manifest["world_size"]), rank)
-    return None
+    path = newest_verified(root, of_script=True)
+    if path is None:
+        return None
+    return Checkpoint(step_of(path), path, int(read_manifest(path)["world_size"]), rank)
 
 
 class CheckpointWriter:
