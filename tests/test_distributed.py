@@ -212,11 +212,57 @@ def test_imagefolder_end_to_end(tmp_path: Path, tiny_imagefolder: Path) -> None:
     logits = scripted((images.float() - mean) / std)
     assert torch.allclose(logits.softmax(dim=1), probabilities, atol=1e-5)
 
+    _check_model_card_and_onnx_export(out, tiny_imagefolder / "val", summary)
+
     for rank in (0, 1):
         assert f"rank {rank} of 2" in (out / "logs" / f"rank-{rank}.log").read_text()
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     kinds = {json.loads(line)["kind"] for line in (out / "metrics.jsonl").read_text().splitlines()}
     assert kinds == {"start", "train", "val", "checkpoint", "end"}
+
+
+def _check_model_card_and_onnx_export(out: Path, images: Path, summary: dict) -> None:
+    """The model folder stands alone: its card states classes, preprocessing, metrics and provenance; `clusterfit
+    export` adds an ONNX model, and ONNX Runtime, TorchScript and the safetensors weights agree on real JPEGs."""
+    import hashlib
+
+    import onnxruntime
+
+    from clusterfit.data.transforms import CenterCrop
+    from clusterfit.outputs.model_card import spec_hash
+
+    card = json.loads((out / "model" / "model_card.json").read_text())
+    assert card["classes"] == ["class_0", "class_1", "class_2"] and card["model"] == "resnet_tiny"
+    assert card["preprocessing"] == {
+        "resize_shorter_side": 37, "center_crop": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
+        "channel_order": "RGB", "layout": "NCHW", "scale": 1 / 255,
+    }  # fmt: skip
+    assert card["metrics"]["val_top1"] == summary["epochs"][-1]["val_top1"]
+    assert card["spec_sha256"] == spec_hash(summary["spec"])
+    weights = (out / "model" / "model.safetensors").read_bytes()
+    assert card["files"]["model.safetensors"] == hashlib.sha256(weights).hexdigest()
+
+    result = run_cli("export", str(out / "model"), "--images", str(images))
+    assert result.returncode == 0, result.stderr
+    assert "ONNX Runtime matches PyTorch on 8 images from" in result.stdout
+    checks = json.loads((out / "model" / "model_card.json").read_text())["checks"]["onnx"]
+    assert checks["same_top1"] and checks["max_abs_diff"] <= 1e-4 and checks["path"] == "model.onnx"
+
+    files = sorted(images.rglob("*.jpg"))
+    crop = CenterCrop(32)
+    pixels = torch.stack([crop(str(f)) for f in files if f.stat().st_size > 1000])  # the awkward files left out
+    from_weights = load_classifier(out / "model").predict(pixels)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+    normalised = (pixels.float() - mean) / std
+    from_torchscript = torch.jit.load(str(out / "model" / "model.torchscript.pt"))(normalised).softmax(dim=1)
+    session = onnxruntime.InferenceSession(str(out / "model" / "model.onnx"), providers=["CPUExecutionProvider"])
+    logits = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: normalised.numpy()})[0])
+    from_onnx = logits.softmax(dim=1)
+    assert len(pixels) >= 15
+    for other in (from_torchscript, from_onnx):
+        assert torch.equal(other.argmax(dim=1), from_weights.argmax(dim=1))
+        assert torch.allclose(other, from_weights, atol=1e-4)
 
 
 def test_synthetic_end_to_end_and_rerun_of_a_finished_job(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_for
+from conftest import run_cli, wait_for
 
 from clusterfit.backends.torchrun import threads_per_worker
 from clusterfit.data.imagefolder import ShardSampler
@@ -200,3 +200,11 @@ def test_a_process_tree_is_found_and_killed_by_pid_and_start_time() -> None:
         shell.kill()
         shell.wait()
     assert process_start_time(shell.pid) is None and not is_running(shell.pid), "reaped: gone"
+
+
+def test_export_refuses_a_folder_that_is_not_an_exported_model(tmp_path: Path) -> None:
+    result = run_cli("export", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {tmp_path}: no model_card.json; pass the model/ folder of a finished job"
+    ]

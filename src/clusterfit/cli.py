@@ -400,6 +400,34 @@ def plan(
     console.print(markdown(result), markup=False, soft_wrap=True)
 
 
+@app.command()
+def export(
+    model_dir: Annotated[Path, typer.Argument(metavar="MODEL_DIR", help="An exported model folder (a job's model/).")],
+    images: Annotated[
+        Optional[Path],  # noqa: UP045 - typer needs Optional here
+        typer.Option(help="A folder of images to compare PyTorch and ONNX Runtime on (default: random inputs)."),
+    ] = None,
+    tolerance: Annotated[float, typer.Option(min=0, help="Largest difference of any class probability.")] = 1e-4,
+) -> None:
+    """Add an ONNX model (dynamic batch) to MODEL_DIR, kept only if ONNX Runtime agrees with PyTorch on the same
+    inputs; the check goes into the model card (needs the onnx extra)."""
+    from clusterfit.outputs.layout import model_card_file
+    from clusterfit.scoring.onnx_export import export_onnx
+
+    if not model_card_file(model_dir).is_file():
+        raise _fail(f"{model_dir}: no model_card.json; pass the model/ folder of a finished job")
+    try:
+        check = export_onnx(model_dir, images, tolerance)
+    except ClusterfitError as exc:
+        raise _fail(str(exc)) from None
+    console.print(
+        f"{check.path}: ONNX Runtime matches PyTorch on {check.inputs} (probabilities within "
+        f"{check.max_abs_diff:.1g} of each other, tolerance {check.tolerance:g}; same top-1)",
+        markup=False,
+        soft_wrap=True,
+    )
+
+
 data_app = typer.Typer(
     help="Prepare training data: pack folders into shards, stage from object storage.", no_args_is_help=True
 )

@@ -30,11 +30,10 @@ from clusterfit.data.shardreader import ShardEvalSamples, ShardTrainSamples, as_
 from clusterfit.data.shards import PackedIndex, is_packed, read_index, read_remote_index
 from clusterfit.data.staging import credentials, is_url
 from clusterfit.data.synthetic import SyntheticData
+from clusterfit.outputs.model_card import IMAGENET_MEAN, IMAGENET_STD
 from clusterfit.spec.model import DataSpec, StorageSpec, TrainerSpec
 
 NO_CREDENTIALS = StorageSpec()  # frozen: safe to share as a default
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 class TrainData(Protocol):

@@ -15,11 +15,9 @@ import torch
 from PIL import Image
 
 from clusterfit.data.decode import decode_rgb, draft_request, open_image
+from clusterfit.outputs.model_card import VAL_CROP_FRACTION  # the validation crop, stated by the model card
 
 Box = tuple[float, float, float, float]  # left, upper, right, lower in full-size pixels
-
-# The classic ImageNet evaluation: resize the shorter side to size / 0.875, then take a centre crop.
-VAL_CROP_FRACTION = 0.875
 
 
 class TrainCrop:

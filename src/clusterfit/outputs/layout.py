@@ -20,6 +20,8 @@ LOCK_FILE = ".clusterfit-lock"
 
 WEIGHTS_FILE = "model.safetensors"
 TORCHSCRIPT_FILE = "model.torchscript.pt"
+ONNX_FILE = "model.onnx"
+MODEL_CARD_FILE = "model_card.json"
 
 
 @dataclass(frozen=True)
@@ -105,3 +107,12 @@ def model_weights(model_dir: str | Path) -> Path:
 
 def model_torchscript(model_dir: str | Path) -> Path:
     return Path(model_dir) / TORCHSCRIPT_FILE
+
+
+def model_onnx(model_dir: str | Path) -> Path:
+    return Path(model_dir) / ONNX_FILE
+
+
+def model_card_file(model_dir: str | Path) -> Path:
+    """What a scorer needs beside the weights: classes in order, the exact preprocessing, metrics, provenance."""
+    return Path(model_dir) / MODEL_CARD_FILE

@@ -22,6 +22,7 @@ from clusterfit.data.quality import InputTally, describe
 from clusterfit.models import build_model
 from clusterfit.monitoring.sinks import open_metric_sinks
 from clusterfit.outputs import JobOutputs, Phase, RecordKind, write_summary
+from clusterfit.outputs.model_card import ModelCard, Preprocessing, spec_hash, write_model_card
 from clusterfit.spec.model import JobSpec
 from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_rng
 from clusterfit.worker.dist import DistEnv, all_reduce_sum, init_distributed, pick_device
@@ -371,6 +372,18 @@ class Trainer:
             "global_step": self.progress.global_step,
         }
         exported = export_model(model, self.out.model, metadata=metadata, image_size=cfg.data.image_size)
+        last_epoch = self.progress.history[-1] if self.progress.history else {}
+        card = ModelCard(
+            model=cfg.model,
+            classes=list(self.facts.classes),
+            image_size=cfg.data.image_size,
+            preprocessing=Preprocessing.for_size(cfg.data.image_size),
+            metrics={k: float(v) for k, v in last_epoch.items() if k.startswith("val_") and isinstance(v, int | float)},
+            spec_sha256=spec_hash(self.spec.model_dump(mode="json")),
+            clusterfit_version=__version__,
+            job=self.spec.name,
+        )
+        exported.append(write_model_card(self.out.model, card))
         log.info("exported %s", ", ".join(str(p) for p in exported))
         log.info("%s", describe(self.inputs.tally))
         return write_summary(
