@@ -159,7 +159,7 @@ def test_bench_train_rotates_the_systems_and_marks_ratios_within_noise() -> None
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--models", "resnet18,vgg16"], "error: --models resnet18,vgg16: unknown model; choose from resnet18,"),
+        (["--models", "resnet18,lenet5"], "error: --models resnet18,lenet5: unknown model; choose from resnet18,"),
         (["--workers", "0,2"], "error: --workers 0,2: worker counts must be 1 or more"),
         (["--workers", "one"], "error: --workers one: expected a comma-separated list of int"),
         (["--steps", "5", "--warmup", "5"], "error: --steps 5: must exceed --warmup 5 to leave steps to measure"),

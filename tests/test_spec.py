@@ -44,7 +44,7 @@ BAD_SPECS = [
     ("trainer.modle", "resnet18", "trainer.modle: unknown key; allowed keys here: model, norm_layer, data"),
     ("trainer.batch_size", 0, "trainer.batch_size = 0: Input should be greater than or equal to 1"),
     ("trainer.batch_size", "big", "trainer.batch_size = 'big': Input should be a valid integer"),
-    ("trainer.model", "vgg16", "trainer.model = 'vgg16': Input should be 'resnet18', 'resnet34'"),
+    ("trainer.model", "lenet5", "trainer.model: 'lenet5' is unknown; use a torchvision classification model such as"),
     ("trainer.precision", "fp8", "trainer.precision = 'fp8': Input should be 'auto', 'fp32', 'bf16' or 'fp16'"),
     ("trainer.optimizer.lr", -1, "trainer.optimizer.lr = -1: Input should be greater than 0"),
     ("trainer.data.val", "synthetic", "trainer.data: val cannot be 'synthetic'"),

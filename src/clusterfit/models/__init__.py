@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
-from torchvision.models import resnet
+from torchvision.models import get_model, resnet
 from torchvision.models.resnet import BasicBlock
 
-_TORCHVISION_RESNETS = {
-    "resnet18": resnet.resnet18,
-    "resnet34": resnet.resnet34,
-    "resnet50": resnet.resnet50,
-    "resnet101": resnet.resnet101,
-    "resnet152": resnet.resnet152,
-}
+from clusterfit.spec.model_names import has_residual_stages, unknown_model
 
 
 def _group_norm(channels: int) -> nn.GroupNorm:
@@ -21,14 +17,27 @@ def _group_norm(channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(num_groups=min(32, channels // 4), num_channels=channels)
 
 
-def build_model(name: str, num_classes: int, norm_layer: str = "batch") -> nn.Module:
-    """A randomly initialised classifier; `resnet_tiny` is a one-block-per-stage ResNet for tests."""
+def build_model(name: str, num_classes: int, norm_layer: str = "batch", image_size: int = 224) -> nn.Module:
+    """A randomly initialised classifier by torchvision's name; `resnet_tiny` is a one-block-per-stage ResNet
+    for tests. `image_size` matters only to vision transformers, whose position embeddings depend on it."""
     norm = _group_norm if norm_layer == "group" else nn.BatchNorm2d
+    problem = unknown_model(name)
+    if problem:
+        raise ValueError(f"model {problem}")
     if name == "resnet_tiny":
         return resnet.ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes, norm_layer=norm)
-    if name not in _TORCHVISION_RESNETS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join([*_TORCHVISION_RESNETS, 'resnet_tiny'])}")
-    return _TORCHVISION_RESNETS[name](weights=None, num_classes=num_classes, norm_layer=norm)
+    if has_residual_stages(name):
+        return get_model(name, weights=None, num_classes=num_classes, norm_layer=norm)
+    return get_model(name, weights=None, num_classes=num_classes, **_construction(name, image_size))
+
+
+def _construction(name: str, image_size: int) -> dict[str, Any]:
+    if name.startswith("vit_"):
+        return {"image_size": image_size}
+    if name in ("googlenet", "inception_v3"):
+        # NOTE: their auxiliary classifiers return a tuple in training mode, which no loss here expects.
+        return {"aux_logits": False, "init_weights": True}
+    return {}
 
 
 def count_parameters(model: nn.Module) -> int:

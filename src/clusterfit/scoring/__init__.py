@@ -37,6 +37,6 @@ def load_classifier(model_dir: str | Path) -> Classifier:
     path = model_weights(model_dir)
     with safe_open(str(path), framework="pt") as f:
         metadata = {key: json.loads(value) for key, value in (f.metadata() or {}).items()}
-    model = build_model(metadata["model"], len(metadata["classes"]), metadata["norm_layer"])
+    model = build_model(metadata["model"], len(metadata["classes"]), metadata["norm_layer"], metadata["image_size"])
     model.load_state_dict(load_file(str(path)))
     return Classifier(model.eval(), metadata["classes"], metadata["image_size"], metadata)

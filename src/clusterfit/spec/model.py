@@ -5,9 +5,12 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
 
-MODEL_NAMES = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnet_tiny")
+from clusterfit.spec.model_names import MODEL_NAMES, has_residual_stages, image_size_problem, unknown_model
+
+__all__ = ["MODEL_NAMES"]  # re-exported: the bench commands check their --model flags against it
+
 SYNTHETIC = "synthetic"
 
 
@@ -108,7 +111,7 @@ StrategyOptions = Annotated[
 
 
 class TrainerSpec(_Strict):
-    model: Literal[MODEL_NAMES] = "resnet50"  # type: ignore[valid-type]
+    model: str = Field("resnet50", description="a torchvision classification model by name, or resnet_tiny")
     norm_layer: Literal["batch", "group"] = "batch"
     data: DataSpec = DataSpec(num_classes=1000)
     epochs: int = Field(1, ge=1)
@@ -142,6 +145,31 @@ class TrainerSpec(_Strict):
             if options is None or isinstance(options, dict):
                 data = {**data, "strategy_options": {**(options or {}), "strategy": strategy}}
         return data
+
+    @field_validator("model")
+    @classmethod
+    def _known_model(cls, name: str) -> str:
+        problem = unknown_model(name)
+        if problem:
+            raise ValueError(problem)
+        return name
+
+    @model_validator(mode="after")
+    def _model_fits(self) -> TrainerSpec:
+        problem = image_size_problem(self.model, self.data.image_size)
+        if problem:
+            raise ValueError(f"data.image_size = {self.data.image_size}: {problem}")
+        if not has_residual_stages(self.model):
+            if self.norm_layer == "group":
+                raise ValueError(
+                    f"norm_layer: group applies to ResNet-style models, not {self.model}; use norm_layer: batch"
+                )
+            if self.strategy == "pipeline":
+                raise ValueError(
+                    f"strategy pipeline cuts ResNet-style models at their residual stages, not {self.model}; "
+                    "use strategy ddp or fsdp"
+                )
+        return self
 
     @model_validator(mode="after")
     def _strategy_combinations(self) -> TrainerSpec:

@@ -106,7 +106,9 @@ class Trainer:
         self.precision: Precision = resolve_precision(self.cfg.precision, self.device)
         self.facts = inspect_data(self.cfg.data, spec.storage)
 
-        self.model_factory = partial(build_model, self.cfg.model, len(self.facts.classes), self.cfg.norm_layer)
+        self.model_factory = partial(
+            build_model, self.cfg.model, len(self.facts.classes), self.cfg.norm_layer, self.cfg.data.image_size
+        )
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
         model = self.model_factory().to(self.device)
         if self.cfg.channels_last:

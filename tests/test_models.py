@@ -1,0 +1,77 @@
+"""The model catalogue: every torchvision classification model by name, checked in the spec before any worker
+starts, and each family trainable; one non-ResNet model trains on 2 ranks and exports for real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli, tiny_job, write_job
+
+from clusterfit.models import build_model
+from clusterfit.scoring import load_classifier
+from clusterfit.spec import SpecError, validate_spec
+from clusterfit.spec.model_names import MODEL_NAMES, image_size_problem
+
+# One of each family the docs name, at the smallest image size it takes.
+FAMILIES = [
+    ("resnext50_32x4d", 16), ("wide_resnet50_2", 16), ("regnet_x_400mf", 16), ("mobilenet_v2", 16),
+    ("mobilenet_v3_small", 16), ("efficientnet_b0", 16), ("efficientnet_v2_s", 16), ("convnext_tiny", 32),
+    ("vit_b_32", 32), ("swin_t", 16), ("swin_v2_t", 16), ("densenet121", 32), ("vgg11_bn", 32), ("alexnet", 64),
+    ("googlenet", 16), ("inception_v3", 75), ("mnasnet0_5", 16), ("shufflenet_v2_x0_5", 16), ("squeezenet1_1", 32),
+]  # fmt: skip
+
+
+def test_the_catalogue_is_torchvision_s_classification_models() -> None:
+    import torchvision
+
+    assert set(MODEL_NAMES) == set(torchvision.models.list_models(module=torchvision.models)) - {"maxvit_t"} | {
+        "resnet_tiny"
+    }
+
+
+@pytest.mark.parametrize(("name", "size"), FAMILIES)
+def test_each_family_takes_a_training_step_at_its_smallest_size(name: str, size: int) -> None:
+    assert image_size_problem(name, size) is None
+    torch.manual_seed(0)
+    model = build_model(name, num_classes=3, image_size=size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(2, 3, size, size)), torch.tensor([0, 2]))
+    loss.backward()
+    optimizer.step()
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "size", "message"),
+    [
+        ({"model": "vgg"}, 32, "trainer.model: 'vgg' is unknown; use a torchvision classification model such as"),
+        ({"model": "vit_b_16"}, 40, "data.image_size = 40: vit_b_16 cuts images into 16-pixel patches; use a"),
+        ({"model": "alexnet"}, 32, "data.image_size = 32: alexnet needs images of at least 64 px"),
+        ({"model": "mobilenet_v2", "norm_layer": "group"}, 32, "norm_layer: group applies to ResNet-style models"),
+        (
+            {"model": "efficientnet_b0", "strategy": "pipeline", "batch_size": 4},
+            32,
+            "strategy pipeline cuts ResNet-style models at their residual stages, not efficientnet_b0",
+        ),
+    ],
+)
+def test_a_model_that_cannot_run_the_job_is_refused_in_one_line(
+    tmp_path: Path, trainer: dict, size: int, message: str
+) -> None:
+    job = tiny_job(tmp_path / "out", **trainer)
+    job["trainer"]["data"]["image_size"] = size
+    with pytest.raises(SpecError) as error:
+        validate_spec(job)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_non_resnet_model_trains_on_two_ranks_and_exports(tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "out", model="mobilenet_v3_small", steps_per_epoch=2)
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 0, result.stderr
+    classifier = load_classifier(tmp_path / "out" / "model")
+    assert classifier.metadata["model"] == "mobilenet_v3_small"
+    probabilities = classifier.predict(torch.randint(0, 256, (3, 3, 32, 32), dtype=torch.uint8))
+    assert probabilities.shape == (3, 10)
