@@ -169,3 +169,26 @@ def test_tally_verdict_names_the_worst_files() -> None:
     assert message.index("b.jpg (corrupt or truncated)") < message.index("a.jpg")
     assert InputTally.from_dict(tally.to_dict()) == tally
     assert tally.to_dict()["by_reason"] == {EMPTY: 1, CORRUPT: 1, NOT_AN_IMAGE: 1}
+
+
+def test_augmentation_presets_and_policies_keep_the_fast_path_s_shape_and_determinism(tmp_path: Path) -> None:
+    from clusterfit.data.imagefolder import train_transform
+    from clusterfit.spec.model import AugmentSpec
+
+    assert AugmentSpec().resolved(32).describe() == (
+        "augmentation: preset small (auto: image_size 32 <= 64), crop scale 0.64-1, no flip"
+    )
+    big = AugmentSpec().resolved(224)
+    assert (big.preset, big.crop_scale, big.flip) == ("imagenet", (0.08, 1.0), True)
+    assert AugmentSpec(preset="small", flip=True).resolved(224).flip  # a field overrides its preset
+    photo = tmp_path / "photo.jpg"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 80, 3), dtype=np.uint8)).save(photo)
+    for policy in ("none", "randaugment", "trivialaugment", "autoaugment"):
+        augment = AugmentSpec(policy=policy, random_erasing=0.5).resolved(48)
+        transform = train_transform(48, augment)
+        first = transform(str(photo), torch.Generator().manual_seed(7))
+        again = transform(str(photo), torch.Generator().manual_seed(7))
+        assert first.shape == (3, 48, 48) and first.dtype == torch.uint8, policy
+        assert torch.equal(first, again), f"{policy}: the same generator must give the same pixels"
+    with pytest.raises(ValueError, match=r"crop_scale = \[0.5, 1.5\]: the area share is at most 1"):
+        AugmentSpec(crop_scale=(0.5, 1.5))

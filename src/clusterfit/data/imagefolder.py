@@ -14,7 +14,8 @@ from torchvision.datasets.folder import make_dataset
 from clusterfit.data.decode import BadImage
 from clusterfit.data.folders import IMG_EXTENSIONS
 from clusterfit.data.quality import BadInputError, BadRead
-from clusterfit.data.transforms import CenterCrop, TrainCrop
+from clusterfit.data.transforms import CenterCrop, TrainCrop, TrainTransform
+from clusterfit.spec.model import ResolvedAugment
 
 # How many other samples a training item tries before giving up; enough for any dataset whose bad share is
 # under the job's threshold, and bounded so that a folder of nothing but bad files fails fast.
@@ -91,8 +92,12 @@ class CountedBatches:
         return reads, bad
 
 
-def train_transform(image_size: int) -> TrainCrop:
-    return TrainCrop(image_size)
+def train_transform(image_size: int, augment: ResolvedAugment | None = None) -> TrainTransform:
+    """The job's augmentation (`trainer.augment`, resolved for its image size); ImageNet's without one."""
+    if augment is None:
+        return TrainTransform(TrainCrop(image_size))
+    crop = TrainCrop(image_size, augment.crop_scale, augment.crop_ratio, augment.flip)
+    return TrainTransform(crop, augment.policy, augment.random_erasing)
 
 
 def val_transform(image_size: int) -> CenterCrop:

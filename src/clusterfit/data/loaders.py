@@ -87,7 +87,7 @@ def build_train_data(
     if index is not None:
         shards = ShardTrainSamples(
             index,
-            train_transform(data.image_size),
+            train_transform(data.image_size, trainer.augment.resolved(data.image_size)),
             seed=trainer.seed,
             rank=rank,
             world_size=world_size,
@@ -98,7 +98,10 @@ def build_train_data(
         # NOTE: not persistent: workers must copy the dataset's (epoch, start step) when an epoch starts.
         loader = DataLoader(shards, batch_size=None, num_workers=workers, pin_memory=pin_memory, collate_fn=as_is)
         return ShardTrainData(CountedBatches(loader), shards, steps)
-    dataset = LabeledImages(list_samples(data.train, facts.classes), train_transform(data.image_size), substitute=True)
+    augment = trainer.augment.resolved(data.image_size)
+    dataset = LabeledImages(
+        list_samples(data.train, facts.classes), train_transform(data.image_size, augment), substitute=True
+    )
     sampler = ResumableSampler(
         DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=trainer.seed, drop_last=True)
     )

@@ -21,20 +21,24 @@ Box = tuple[float, float, float, float]  # left, upper, right, lower in full-siz
 
 
 class TrainCrop:
-    """RandomResizedCrop(size, scale=(0.08, 1), ratio=(3/4, 4/3)) and a horizontal flip with p=0.5, as
+    """RandomResizedCrop(size, scale=(0.08, 1), ratio=(3/4, 4/3)) and a horizontal flip with p=0.5 (`flip`), as
     torchvision does them (same parameter sampling, from torch's RNG), on the file itself."""
 
     def __init__(
-        self, size: int, scale: tuple[float, float] = (0.08, 1.0), ratio: tuple[float, float] = (3 / 4, 4 / 3)
+        self,
+        size: int,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip: bool = True,
     ):
-        self.size, self.scale, self.ratio = size, scale, ratio
+        self.size, self.scale, self.ratio, self.flip = size, scale, ratio, flip
 
     def __call__(self, source: str | bytes | BinaryIO, generator: torch.Generator | None = None) -> torch.Tensor:
         """`generator`: the random stream to draw from; torch's global one if None."""
         img = open_image(source)
         try:
             box = random_resized_box(img.size, self.scale, self.ratio, generator)
-            flip = torch.rand(1, generator=generator).item() < 0.5
+            flip = torch.rand(1, generator=generator).item() < 0.5 and self.flip
             out = _resized_crop(img, box, self.size)
         finally:
             img.close()
@@ -100,3 +104,36 @@ def _resized_crop(img: Image.Image, box: Box, size: int) -> Image.Image:
 
 def to_uint8_chw(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.array(img, dtype=np.uint8, copy=True)).permute(2, 0, 1).contiguous()
+
+
+class TrainTransform:
+    """The training transform of a job: the crop and flip above on the file itself, then (optionally) a
+    torchvision.transforms.v2 policy and random erasing on the uint8 tensor. The policies draw from torch's
+    global RNG; with an explicit `generator` they run under a seed drawn from it, so a sample's pixels depend
+    only on that generator, as the crop's do (exact resume)."""
+
+    def __init__(self, crop: TrainCrop, policy: str = "none", random_erasing: float = 0.0) -> None:
+        from torchvision.transforms import v2
+
+        self.crop = crop
+        steps = []
+        if policy == "randaugment":
+            steps.append(v2.RandAugment())
+        elif policy == "trivialaugment":
+            steps.append(v2.TrivialAugmentWide())
+        elif policy == "autoaugment":
+            steps.append(v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET))
+        if random_erasing:
+            steps.append(v2.RandomErasing(p=random_erasing, value=0))
+        self.tensor_steps = v2.Compose(steps) if steps else None
+
+    def __call__(self, source: str | bytes | BinaryIO, generator: torch.Generator | None = None) -> torch.Tensor:
+        pixels = self.crop(source, generator)
+        if self.tensor_steps is None:
+            return pixels
+        if generator is None:
+            return self.tensor_steps(pixels)
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.tensor_steps(pixels)

@@ -110,6 +110,75 @@ StrategyOptions = Annotated[
 ]
 
 
+SMALL_IMAGE_PX = 64  # at or below: the `auto` augmentation preset is `small`
+
+
+class AugmentSpec(_Strict):
+    """Training-time augmentation. A preset sets every field; fields given here override it. `auto` picks
+    `small` for images of at most 64 px (or non-photographic ones, choose it yourself) and `imagenet` above."""
+
+    preset: Literal["auto", "imagenet", "small"] = "auto"
+    crop_scale: tuple[float, float] | None = Field(
+        None, description="RandomResizedCrop's area range; imagenet (0.08, 1), small (0.64, 1)"
+    )
+    crop_ratio: tuple[float, float] | None = Field(None, description="aspect-ratio range; both presets (3/4, 4/3)")
+    flip: bool | None = Field(None, description="random horizontal flip; imagenet yes, small no")
+    policy: Literal["none", "randaugment", "trivialaugment", "autoaugment"] = "none"
+    random_erasing: float = Field(0.0, ge=0, le=1, description="probability of erasing a random rectangle")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> AugmentSpec:
+        for name in ("crop_scale", "crop_ratio"):
+            low_high = getattr(self, name)
+            if low_high is not None and not 0 < low_high[0] <= low_high[1]:
+                raise ValueError(f"{name} = {list(low_high)}: give [low, high] with 0 < low <= high")
+        if self.crop_scale is not None and self.crop_scale[1] > 1:
+            raise ValueError(f"crop_scale = {list(self.crop_scale)}: the area share is at most 1")
+        return self
+
+    def resolved(self, image_size: int) -> ResolvedAugment:
+        preset = self.preset
+        why = "as set"
+        if preset == "auto":
+            preset = "small" if image_size <= SMALL_IMAGE_PX else "imagenet"
+            why = f"auto: image_size {image_size} {'<=' if preset == 'small' else '>'} {SMALL_IMAGE_PX}"
+        small = preset == "small"
+        return ResolvedAugment(
+            preset=preset,
+            why=why,
+            crop_scale=self.crop_scale or ((0.64, 1.0) if small else (0.08, 1.0)),
+            crop_ratio=self.crop_ratio or (3 / 4, 4 / 3),
+            flip=self.flip if self.flip is not None else not small,
+            policy=self.policy,
+            random_erasing=self.random_erasing,
+        )
+
+
+class ResolvedAugment(BaseModel):
+    """What a job's training transform does, every field decided."""
+
+    model_config = ConfigDict(frozen=True)
+    preset: str
+    why: str
+    crop_scale: tuple[float, float]
+    crop_ratio: tuple[float, float]
+    flip: bool
+    policy: str
+    random_erasing: float
+
+    def describe(self) -> str:
+        parts = [
+            f"preset {self.preset} ({self.why})",
+            f"crop scale {self.crop_scale[0]:g}-{self.crop_scale[1]:g}",
+            "flip" if self.flip else "no flip",
+        ]
+        if self.policy != "none":
+            parts.append(self.policy)
+        if self.random_erasing:
+            parts.append(f"random erasing p={self.random_erasing:g}")
+        return "augmentation: " + ", ".join(parts)
+
+
 class TrainerSpec(_Strict):
     model: str = Field("resnet50", description="a torchvision classification model by name, or resnet_tiny")
     norm_layer: Literal["batch", "group"] = "batch"
@@ -120,6 +189,7 @@ class TrainerSpec(_Strict):
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()
     label_smoothing: float = Field(0.0, ge=0, lt=1)
+    augment: AugmentSpec = AugmentSpec()
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     channels_last: bool = False
     checkpoint: CheckpointSpec = CheckpointSpec()

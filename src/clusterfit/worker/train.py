@@ -125,6 +125,8 @@ class Trainer:
             "storage": spec.storage,
         }
         self.train_data = build_train_data(self.cfg, self.facts, **loader_args)
+        if self.env.is_main and not self.cfg.data.is_synthetic:
+            log.info("%s", self.cfg.augment.resolved(self.cfg.data.image_size).describe())
         self.val_loader = build_val_loader(self.cfg, self.facts, **loader_args)
         self.steps_per_epoch = self.train_data.steps_per_epoch
         self.total_steps = self.steps_per_epoch * self.cfg.epochs
