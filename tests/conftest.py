@@ -119,9 +119,10 @@ def one_image_per_class(root: Path, count: int, size: tuple[int, int] = (60, 40)
     return root
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
-    """A real two-node Ray cluster on 127.0.0.1 with token authentication, shared by every test that needs one."""
+    """A real two-node Ray cluster on 127.0.0.1 with token authentication, shared by the tests of a module (all
+    in tests/test_ray.py): stopped after them, since its idle daemons take about a tenth of a core."""
     from raycluster import RayCluster
 
     cluster = RayCluster()

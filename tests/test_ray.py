@@ -335,3 +335,22 @@ def test_a_session_script_reports_checkpoints_and_resumes_on_two_ray_nodes(
     assert "resumed from step 5" in resumed
     assert latest_checkpoint(out.checkpoints, rank=0).step == 8
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
+
+
+# --- the benchmark's Ray Train baseline --------------------------------------------------------------------
+# NOTE: on the tests' Ray cluster (a worker per node, one CPU each), not the fresh local Ray instance a real
+# measurement starts: that takes a minute on 2 busy cores and starts the same TorchTrainer code path.
+def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path, ray_cluster) -> None:
+    result = run_cli(
+        "bench", "train", "--models", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",
+        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path),
+        "--rounds", "1", "--ray-address", ray_cluster.address, env=ray_cluster.client_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads((tmp_path / "train.json").read_text())
+    ray = next(c for c in report["cells"] if c["system"] == "Ray Train")
+    assert (
+        ray["workers"] == 2 and ray["threads_per_rank"] >= 1 and [len(run) for run in ray["step_images_per_s"]] == [3]
+    )
+    assert report["ratios"][0]["clusterfit_over_ray_train"] > 0
+    assert "clusterfit ÷ Ray Train" in result.stdout and "| resnet_tiny | 2 | Ray Train |" in result.stdout
