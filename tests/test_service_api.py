@@ -398,3 +398,47 @@ def test_tls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert trusted.returncode == 0 and "state" in trusted.stdout
         with client(server.url.replace("https://", "http://")) as http, pytest.raises(httpx.HTTPError):
             http.get("/api/health")  # no plain HTTP on a TLS port
+
+
+def test_hostile_requests_are_bounded_before_anything_reads_them(paused_server: ServerProcess, tmp_path: Path) -> None:
+    """A body over the limit is refused before authentication (no token needed to be refused, none to get
+    through); a YAML alias bomb, a deep nesting and LIKE wildcards in a job id are refused in one short line;
+    the server stays quick and nothing is recorded."""
+    import time
+
+    url, before = paused_server.url, _counts()
+    with client(url) as anonymous:
+        big = anonymous.post(
+            "/api/jobs", content=b"x" * (5 * 1024 * 1024), headers={"Content-Type": "application/json"}
+        )
+        assert big.status_code == 413 and "request body over 1048576 bytes" in big.json()["detail"]
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for _ in range(40):
+                yield b" " * 65536
+
+        chunked = anonymous.post("/api/jobs", content=chunks(), headers={"Content-Type": "application/json"})
+        assert chunked.status_code == 413
+    submit = make_token("submit")
+    with client(url, submit) as http:
+        deep = http.post(
+            "/api/jobs", content=b"[" * 100_000 + b"]" * 100_000, headers={"Content-Type": "application/json"}
+        )
+        assert deep.status_code == 400  # json.loads runs out of stack: a bad body, never a 500
+        levels = "".join(f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]\n" for i in range(1, 8))
+        started = time.monotonic()
+        bomb = http.post("/api/jobs", json={"spec": "l0: &l0 [x, x, x, x, x, x, x, x, x, x]\n" + levels})
+        assert bomb.status_code == 422 and time.monotonic() - started < 5
+        assert bomb.json()["detail"] == (
+            "job.yaml: more than 20000 values once its aliases are expanded; a job spec is a few hundred values, "
+            "write it out plainly"
+        )
+        nested = http.post("/api/jobs", json={"spec": "name: " + "[" * 20_000 + "]" * 20_000})
+        assert nested.status_code == 422 and "nested more than 32 levels deep" in nested.json()["detail"]
+        queued = http.post("/api/jobs", json={"spec": _spec_text(tmp_path)})
+        assert queued.status_code == 201
+        assert http.post("/api/jobs/%25%25%25%25/cancel").status_code == 404  # `%` is a character, not a wildcard
+        assert http.get(f"/api/jobs/{queued.json()['id']}").json()["state"] == "QUEUED"
+        started = time.monotonic()
+        assert http.get("/api/health").status_code == 200 and time.monotonic() - started < 1
+    assert _counts()[0] == before[0] + 1  # only the well-formed job

@@ -280,6 +280,9 @@ def server(
         bool, typer.Option("--no-auth", help="Accept requests without a token (loopback addresses only).")
     ] = False,
     paused: Annotated[bool, typer.Option("--paused", help="Queue submissions but start none (maintenance).")] = False,
+    max_body_bytes: Annotated[
+        int, typer.Option(min=1024, help="Largest request body; larger ones get 413 before anything reads them.")
+    ] = 1024 * 1024,
 ) -> None:
     """Serve the job service's HTTP API and web dashboard over the local store.
 
@@ -299,7 +302,7 @@ def server(
         sock = bind(host, port)
     except OSError as exc:
         raise _fail(f"cannot listen on {host}:{port}: {exc.strerror}; choose another --port or --host") from None
-    settings = ServerSettings(auth=not no_auth, paused=paused)
+    settings = ServerSettings(auth=not no_auth, paused=paused, max_body_bytes=max_body_bytes)
     say = partial(console.print, markup=False, highlight=False, soft_wrap=True)
     serve(_store(), sock, settings, tls_cert=tls_cert, tls_key=tls_key, announce=say)
 

@@ -36,11 +36,63 @@ log = logging.getLogger("clusterfit.server")
 DASHBOARD = files("clusterfit.service") / "dashboard"
 
 
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024  # a job spec is a few kB
+
+
 @dataclass(frozen=True)
 class ServerSettings:
     auth: bool = True  # off only for a server bound to loopback (`clusterfit server --no-auth`)
     paused: bool = False  # accept and queue submissions, start none (maintenance, load tests)
     maintenance_every_s: float = 3.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+class BodyLimit:
+    """Refuses a request body over `max_bytes` with 413 before routing, authentication or parsing: a declared
+    Content-Length is checked from the headers alone, and a chunked body is counted as it arrives and cut off
+    at the limit (the app then sees the client gone), so no more than the limit is ever read. Pure ASGI, so
+    nothing buffers the body before it."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            await self._refuse(send)
+            return
+        received, started, refused = 0, False, False
+
+        async def counted_receive() -> dict[str, Any]:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes and not started:
+                    refused = True
+                    await self._refuse(send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def watched_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            if refused:
+                return  # the 413 has been sent; what the app answers to the cut-off body is dropped
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, counted_receive, watched_send)
+
+    async def _refuse(self, send: Callable) -> None:
+        detail = f"request body over {self.max_bytes} bytes; a job spec is a few kB (server --max-body-bytes)"
+        await JSONResponse({"detail": detail}, status_code=413)({"type": "http"}, _no_body, send)
+
+
+async def _no_body() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
 
 
 class SubmitRequest(BaseModel):
@@ -80,6 +132,8 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
     app = FastAPI(title="clusterfit", version=__version__, docs_url="/api/docs", openapi_url="/api/openapi.json")
     app.state.store, app.state.settings = store, settings
     jobs = LocalJobs(store, start_jobs=not settings.paused)
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     @app.exception_handler(ServiceError)
     async def service_error(_request: Request, exc: ServiceError) -> JSONResponse:

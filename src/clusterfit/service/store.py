@@ -196,7 +196,8 @@ class JobStore:
         with self.session() as session:
             job = session.get(Job, job_id)
             if job is None:
-                matches = session.scalars(select(Job).where(Job.id.startswith(job_id)).limit(2)).all()
+                # NOTE: autoescape: `%` and `_` in what a client sent are characters, not LIKE wildcards.
+                matches = session.scalars(select(Job).where(Job.id.startswith(job_id, autoescape=True)).limit(2)).all()
                 job = matches[0] if len(matches) == 1 and len(job_id) >= 4 else None
             if job is None:
                 raise JobNotFound(f"no job {job_id!r}; `clusterfit list` shows the jobs")

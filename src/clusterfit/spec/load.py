@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +24,70 @@ def load_spec(path: str | Path, overrides: list[str] | None = None) -> JobSpec:
     return load_spec_text(text, overrides, source=str(path))
 
 
-def load_spec_text(text: str, overrides: list[str] | None = None, source: str = "job") -> JobSpec:
-    """A job spec from YAML text (what a client sends the job service), with the same checks as a file."""
+# A job spec is a few hundred YAML nodes. These bounds refuse what only an attack needs (an alias "billion
+# laughs" that expands 500 bytes into millions of nodes, a list nested thousands deep) before anything walks it.
+MAX_SPEC_CHARS = 256 * 1024
+MAX_SPEC_DEPTH = 32
+MAX_SPEC_NODES = 20_000  # after aliases are expanded
+_MAX_SHOWN = 200  # characters of a bad value quoted in an error
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses deep nesting while composing and counts the expanded node tree."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_SPEC_DEPTH:
+                raise _TooLarge(f"nested more than {MAX_SPEC_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _expanded_nodes(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Nodes of the tree with every alias expanded, each shared node counted once per use (memoised)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_nodes(child, sizes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_nodes(k, sizes) + _expanded_nodes(v, sizes) for k, v in node.value)
+    sizes[id(node)] = size
+    return size
+
+
+def _bounded_yaml(text: str, source: str) -> Any:
+    if len(text) > MAX_SPEC_CHARS:
+        raise SpecError(
+            f"{source}: {len(text)} characters; a job spec is at most {MAX_SPEC_CHARS} (is it the right file?)"
+        )
+    loader = _BoundedLoader(text)
     try:
-        raw = yaml.safe_load(text)
+        node = loader.get_single_node()
+        if node is not None and _expanded_nodes(node, {}) > MAX_SPEC_NODES:
+            raise _TooLarge(f"more than {MAX_SPEC_NODES} values once its aliases are expanded")
+        return loader.construct_document(node) if node is not None else None
+    except _TooLarge as exc:
+        raise SpecError(f"{source}: {exc}; a job spec is a few hundred values, write it out plainly") from None
+    finally:
+        loader.dispose()
+
+
+def load_spec_text(text: str, overrides: list[str] | None = None, source: str = "job") -> JobSpec:
+    """A job spec from YAML text (what a client sends the job service), with the same checks as a file, and
+    bounds on its size, depth and alias expansion."""
+    try:
+        raw = _bounded_yaml(text, source)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -92,7 +153,15 @@ def _describe(err: dict[str, Any]) -> str:
     if err["type"] == "value_error":
         # Model-level checks phrase the whole problem themselves.
         return f"{field}: {msg}" if path else msg
-    return f"{field} = {err.get('input')!r}: {msg}"
+    return f"{field} = {_shown(err.get('input'))}: {msg}"
+
+
+def _shown(value: Any) -> str:
+    """A bad value as the error quotes it: its repr, cut short (a value may be large, or shared many times)."""
+    shortener = reprlib.Repr()
+    shortener.maxlevel, shortener.maxstring, shortener.maxother = 3, _MAX_SHOWN, _MAX_SHOWN
+    text = shortener.repr(value)
+    return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
 def _walk(loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None]:
