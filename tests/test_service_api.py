@@ -74,6 +74,22 @@ def test_bad_ttl(text: str) -> None:
         parse_ttl(text)
 
 
+def test_a_ttl_no_date_can_hold_is_a_one_line_refusal_not_a_crash() -> None:
+    with pytest.raises(TokenError, match=r"--ttl '99999999999w' is longer than any date can hold"):
+        parse_ttl("99999999999w")
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("[::1]", True), ("localhost", True),
+     ("127.evil.example", False), ("0.0.0.0", False), ("10.0.0.1", False), ("::", False)],
+)  # fmt: skip
+def test_loopback_is_decided_by_parsing_the_address(host: str, loopback: bool) -> None:
+    from clusterfit.service.api import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
 # --- the store on both databases --------------------------------------------------------------------------
 def test_store_on_both_databases(database_url: str) -> None:
     store = open_store(database_url)

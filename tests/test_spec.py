@@ -292,3 +292,29 @@ def test_an_outputs_url_is_refused_until_remote_outputs_exist(tmp_path: Path) ->
         f"error: {tmp_path / 'job.yaml'}: outputs.dir = 'az://c/x': URLs are not supported yet; give a folder every "
         "node sees (a shared filesystem)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"resources": {"backend": "slurm", "slurm": {"partition": "debug\n#SBATCH --uid=0"}}},
+            "job: resources.slurm.partition holds a control character ('\\n'); write it on one line of printable text",
+        ),
+        (
+            {"resources": {"backend": "slurm", "slurm": {"extra_sbatch_args": ["--account=x\r"]}}},
+            "job: resources.slurm.extra_sbatch_args.0 holds a control character ('\\r');",
+        ),
+        ({"environment_variables": {"A": "x\x00y"}}, "job: environment_variables.A holds a control character"),
+        ({"name": "a\x1bb"}, "job: name holds a control character ('\\x1b');"),
+    ],
+)
+def test_control_characters_never_reach_a_script_or_a_manifest(tmp_path: Path, change: dict, message: str) -> None:
+    job = {**tiny_job(tmp_path / "out"), **change}
+    with pytest.raises(SpecError) as error:
+        validate_spec(job)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+    command = {key: value for key, value in tiny_job(tmp_path / "out").items() if key != "trainer"}
+    assert (
+        validate_spec({**command, "command": "echo a\necho b", "description": "two\nlines"}).command == "echo a\necho b"
+    )

@@ -10,6 +10,7 @@ the store true (`reconcile`) and starts queued jobs when room frees (`schedule`)
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import signal
 import socket
@@ -263,7 +264,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """Parsed, not matched as text: `127.evil.example` is a name anyone can point anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def serve(

@@ -36,7 +36,10 @@ def parse_ttl(text: str | None) -> timedelta | None:
         raise TokenError(
             f"--ttl {text!r} is not a lifetime; use a number and a unit, e.g. 90s, 15m, 1h, 7d, 2w, or never"
         )
-    return timedelta(**{_TTL_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        return timedelta(**{_TTL_UNITS[match.group(2)]: int(match.group(1))})
+    except OverflowError:
+        raise TokenError(f"--ttl {text!r} is longer than any date can hold; use a shorter lifetime, or never") from None
 
 
 def check_scope(scope: str) -> str:

@@ -357,6 +357,16 @@ class JobSpec(_Strict):
     limits: LimitsSpec = LimitsSpec()
     queue_settings: QueueSettingsSpec = QueueSettingsSpec()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _printable(cls, data: Any) -> Any:
+        # NOTE: spec values reach sbatch scripts, Kubernetes manifests and command lines; a newline in a
+        # partition name would become a line of its own there. Only `command` and `description` span lines.
+        problem = _control_character(data, ())
+        if problem:
+            raise ValueError(problem)
+        return data
+
     @model_validator(mode="after")
     def _trainer_or_command(self) -> JobSpec:
         if (self.trainer is None) == (self.command is None):
@@ -405,3 +415,31 @@ class JobSpec(_Strict):
     @property
     def world_size(self) -> int:
         return self.resources.instance_count * self.distribution.process_count_per_instance
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # every control character but tab
+_CONTROL_BUT_NEWLINE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+_NEWLINE_ALLOWED = {("command",), ("description",)}  # a shell script; prose that reaches no script
+
+
+def _control_character(value: Any, path: tuple[str, ...]) -> str | None:
+    """The first string in a raw spec (keys included) holding a control character, as a one-line refusal."""
+    if isinstance(value, dict):
+        for key, child in value.items():
+            where = (*path, str(key))
+            problem = _control_character(str(key), where) or _control_character(child, where)
+            if problem:
+                return problem
+    elif isinstance(value, list):
+        for index, child in enumerate(value):
+            problem = _control_character(child, (*path, str(index)))
+            if problem:
+                return problem
+    elif isinstance(value, str):
+        found = (_CONTROL_BUT_NEWLINE if path in _NEWLINE_ALLOWED else _CONTROL).search(value)
+        if found:
+            return (
+                f"{'.'.join(path) or 'a key'} holds a control character ({found.group()!r}); "
+                "write it on one line of printable text"
+            )
+    return None
