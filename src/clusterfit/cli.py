@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -279,6 +280,12 @@ def server(
     no_auth: Annotated[
         bool, typer.Option("--no-auth", help="Accept requests without a token (loopback addresses only).")
     ] = False,
+    tls_terminated_elsewhere: Annotated[
+        bool,
+        typer.Option(
+            "--tls-terminated-elsewhere", help="A proxy in front serves HTTPS: allow a non-loopback --host without TLS."
+        ),
+    ] = False,
     paused: Annotated[bool, typer.Option("--paused", help="Queue submissions but start none (maintenance).")] = False,
     max_body_bytes: Annotated[
         int, typer.Option(min=1024, help="Largest request body; larger ones get 413 before anything reads them.")
@@ -287,23 +294,24 @@ def server(
     """Serve the job service's HTTP API and web dashboard over the local store.
 
     Every request needs a token (`clusterfit token create --scope admin` on this machine makes the first)."""
-    from clusterfit.service.api import ServerSettings, bind, is_loopback, serve
+    from clusterfit.service.api import ServerSettings, bind, exposure_refusal, serve
 
     if (tls_cert is None) != (tls_key is None):
         raise _fail("--tls-cert and --tls-key go together; give both for HTTPS, or neither")
     for path in (tls_cert, tls_key):
         if path is not None and not path.is_file():
             raise _fail(f"{path}: no such file (a PEM certificate or key)")
-    if no_auth and not is_loopback(host):
-        raise _fail(
-            f"--no-auth with --host {host}: anyone on the network could run jobs; use a token, or --host 127.0.0.1"
-        )
+    refusal = exposure_refusal(host, auth=not no_auth, tls=tls_cert is not None, tls_elsewhere=tls_terminated_elsewhere)
+    if refusal:
+        raise _fail(refusal)
     try:
         sock = bind(host, port)
     except OSError as exc:
         raise _fail(f"cannot listen on {host}:{port}: {exc.strerror}; choose another --port or --host") from None
     settings = ServerSettings(auth=not no_auth, paused=paused, max_body_bytes=max_body_bytes)
     say = partial(console.print, markup=False, highlight=False, soft_wrap=True)
+    # Failed authentications and maintenance errors go to stderr with their time, for the operator.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(_store(), sock, settings, tls_cert=tls_cert, tls_key=tls_key, announce=say)
 
 
@@ -317,34 +325,40 @@ app.add_typer(token_app, name="token")
 def token_create(
     scope: Annotated[str, typer.Option(help="read | submit (includes read) | admin (includes both).")] = "read",
     ttl: Annotated[str, typer.Option(help="Lifetime: 90s, 15m, 1h, 7d, 2w, or never.")] = "1h",
-    name: Annotated[str, typer.Option(help="A name to recognise it by (shown in lists and job owners).")] = "",
+    name: Annotated[str, typer.Option(help="A name to recognise it by (shown in lists).")] = "",
+    owner: Annotated[
+        str,
+        typer.Option(help="Whose jobs it submits; a submit token cancels only its owner's jobs. Default: the name."),
+    ] = "",
 ) -> None:
     """Create a token in the local store and print it once: only its sha256 is kept."""
     from clusterfit.service.auth import TokenError, issue_token, parse_ttl
 
     try:
-        issued = issue_token(_store(), scope, parse_ttl(ttl), name)
+        issued = issue_token(_store(), scope, parse_ttl(ttl), name, owner)
     except TokenError as exc:
         raise _fail(str(exc)) from None
     expiry = f"expires {issued.expires_at:%Y-%m-%d %H:%M} UTC" if issued.expires_at else "never expires"
-    errors.print(f"token {issued.id} ({issued.name}, scope {issued.scope}, {expiry}); it is shown only now:")
+    errors.print(
+        f"token {issued.id} ({issued.name} of {issued.owner}, scope {issued.scope}, {expiry}); it is shown only now:"
+    )
     console.print(issued.secret, markup=False)
 
 
 @token_app.command("list")
 def token_list() -> None:
-    """Every token of the local store: id, name, scopes, expiry, revocation (never the token itself)."""
+    """Every token of the local store: id, name, owner, scopes, expiry, revocation (never the token itself)."""
     from clusterfit.service.store import utcnow
 
     table = Table(box=None, header_style="bold")
-    for column in ("id", "name", "scopes", "expires", "state"):
+    for column in ("id", "name", "owner", "scopes", "expires", "state"):
         table.add_column(column)
     now = utcnow()
     for token in _store().list_tokens():
         expired = token.expires_at is not None and token.expires_at <= now
         state = "revoked" if token.revoked_at else "expired" if expired else "valid"
         expires = f"{token.expires_at:%Y-%m-%d %H:%M}" if token.expires_at else "never"
-        table.add_row(str(token.id), token.name, token.scopes, expires, state)
+        table.add_row(str(token.id), token.name, token.owner, token.scopes, expires, state)
     console.print(table)
 
 

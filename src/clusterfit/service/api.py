@@ -5,21 +5,28 @@ decided twice and the CLI prints the same thing from a server as from the local 
 HTTP errors in one exception handler. Handlers are plain `def`s: FastAPI runs them in its thread pool, where
 blocking database calls belong.
 `clusterfit server` serves the app with uvicorn; `serve` below is that, with a background thread that keeps
-the store true (`reconcile`) and starts queued jobs when room frees (`schedule`)."""
+the store true (`reconcile`) and starts queued jobs when room frees (`schedule`).
+
+Hostile requests meet pure-ASGI layers before any route (outermost first): security headers on every answer,
+the body size limit, and, without tokens, the Host and Origin checks; failed authentications are counted per
+client address and answered 429 past a limit (docs/security.md)."""
 
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
+import math
 import signal
 import socket
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
 from typing import Annotated, Any
+from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
@@ -27,7 +34,8 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
 from clusterfit import __version__
-from clusterfit.service.auth import SCOPES, TokenError, Verdict, authorize, issue_token, parse_ttl
+from clusterfit.service.addresses import is_loopback, url_host
+from clusterfit.service.auth import SCOPES, TokenError, Verdict, acts_for, authorize, issue_token, parse_ttl
 from clusterfit.service.jobs import Refused, ServiceError, parse_state
 from clusterfit.service.local_jobs import LocalJobs
 from clusterfit.service.scheduler import reconcile, schedule
@@ -46,6 +54,116 @@ class ServerSettings:
     paused: bool = False  # accept and queue submissions, start none (maintenance, load tests)
     maintenance_every_s: float = 3.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # Failed authentications one client address may make per window before it is answered 429 until the
+    # window ends: a token has 256 random bits, so this bounds the noise and the database reads, not the odds.
+    auth_failures_allowed: int = 30
+    auth_failure_window_s: float = 60.0
+
+
+def exposure_refusal(host: str, *, auth: bool, tls: bool, tls_elsewhere: bool) -> str | None:
+    """Why serving on `host` with these settings would expose tokens or the service, or None if it is safe:
+    off loopback, requests must need a token, and tokens must travel encrypted, by this server's TLS or by a
+    proxy in front of it that the operator names (`--tls-terminated-elsewhere`)."""
+    if is_loopback(host):
+        return None
+    if not auth:
+        return f"--no-auth with --host {host}: anyone on the network could run jobs; use a token, or --host 127.0.0.1"
+    if not tls and not tls_elsewhere:
+        return (
+            f"--host {host} without TLS: tokens would cross the network in clear; give --tls-cert and --tls-key, "
+            "or --tls-terminated-elsewhere if a proxy in front of this server serves HTTPS"
+        )
+    return None
+
+
+# Every answer says what a browser may do with it: load scripts, styles and data from this server only (the
+# dashboard has no inline script and no third-party asset, so a script injected elsewhere cannot run or reach
+# the token in localStorage), never be framed (no clickjacking of the cancel button), never guess a content
+# type, never pass this server's addresses on as a referrer.
+SECURITY_HEADERS = (
+    (
+        b"content-security-policy",
+        b"default-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
+    ),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"no-referrer"),
+)
+
+
+class SecurityHeaders:
+    """Adds SECURITY_HEADERS to every response, refusals of the layers inside it included."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *SECURITY_HEADERS]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)
+
+
+class LoopbackOnly:
+    """Without tokens, answers only requests addressed to a loopback name from a page of this same server.
+    Nothing else stops a web page elsewhere: it can post to http://127.0.0.1:PORT from the user's browser (its
+    Origin header names it), or point its own name at 127.0.0.1 (DNS rebinding: then the Host header names it)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        host = headers.get(b"host", b"").decode("latin-1")
+        origin = headers.get(b"origin")
+        if not is_loopback(url_host(host)):
+            detail = f"Host {host[:100]!r} is not a loopback name; with --no-auth use http://127.0.0.1 or localhost"
+            await _answer(send, 400, detail)
+        elif origin is not None and urlsplit(origin.decode("latin-1")).netloc.lower() != host.lower():
+            shown = origin.decode("latin-1")[:100]
+            await _answer(send, 403, f"Origin {shown!r} is not this server; with --no-auth only its own pages call it")
+        else:
+            await self.app(scope, receive, send)
+
+
+class FailedAuthentications:
+    """Failed authentications per client address within a window, for the `auth_failures_allowed` limit.
+    Memory is bounded: past `max_addresses` the address seen longest ago is forgotten."""
+
+    def __init__(
+        self, allowed: int, window_s: float, max_addresses: int = 10_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.allowed, self.window_s, self.max_addresses, self.clock = allowed, window_s, max_addresses, clock
+        self._windows: OrderedDict[str, tuple[float, int]] = OrderedDict()  # address -> (window start, failures)
+        self._lock = threading.Lock()
+
+    def wait_s(self, address: str) -> float:
+        """How long `address` must wait before it may authenticate again; 0 if it may now."""
+        with self._lock:
+            started, failures = self._windows.get(address, (0.0, 0))
+            left = started + self.window_s - self.clock()
+            return left if failures >= self.allowed and left > 0 else 0.0
+
+    def record(self, address: str) -> int:
+        """Counts one failure of `address`; returns its failures in the current window."""
+        now = self.clock()
+        with self._lock:
+            started, failures = self._windows.pop(address, (now, 0))
+            if now - started >= self.window_s:
+                started, failures = now, 0
+            self._windows[address] = (started, failures + 1)
+            while len(self._windows) > self.max_addresses:
+                self._windows.popitem(last=False)
+            return failures + 1
 
 
 class BodyLimit:
@@ -89,7 +207,12 @@ class BodyLimit:
 
     async def _refuse(self, send: Callable) -> None:
         detail = f"request body over {self.max_bytes} bytes; a job spec is a few kB (server --max-body-bytes)"
-        await JSONResponse({"detail": detail}, status_code=413)({"type": "http"}, _no_body, send)
+        await _answer(send, 413, detail)
+
+
+async def _answer(send: Callable, status: int, detail: str) -> None:
+    """A refusal from a layer before routing, shaped like every other refusal of the API."""
+    await JSONResponse({"detail": detail}, status_code=status)({"type": "http"}, _no_body, send)
 
 
 async def _no_body() -> dict[str, Any]:
@@ -104,17 +227,30 @@ class SubmitRequest(BaseModel):
 
 class TokenRequest(BaseModel):
     scope: str
-    ttl: str | None = Field("1h", description="90s, 15m, 1h, 7d, 2w or never")
+    ttl: str | None = Field("1h", max_length=32, description="90s, 15m, 1h, 7d, 2w or never")
     name: str = Field("", max_length=64)
+    owner: str = Field("", max_length=64, description="who its jobs belong to; default: the name")
 
 
 def _needs(scope: str) -> Callable[..., ApiToken | None]:
     def check(request: Request, authorization: Annotated[str | None, Header()] = None) -> ApiToken | None:
         if not request.app.state.settings.auth:
             return None
+        address = request.client.host if request.client else "unknown"
+        failures: FailedAuthentications = request.app.state.failed_authentications
+        wait_s = math.ceil(failures.wait_s(address))
+        if wait_s:
+            detail = f"too many failed authentications from {address}; try again in {wait_s} s"
+            raise HTTPException(429, detail, headers={"Retry-After": str(wait_s)})
         scheme, _, bearer = (authorization or "").partition(" ")
-        decision = authorize(request.app.state.store, bearer.strip() if scheme.lower() == "bearer" else None, scope)
+        offered = bearer.strip() if scheme.lower() == "bearer" else None
+        decision = authorize(request.app.state.store, offered, scope)
         if decision.verdict is Verdict.UNAUTHENTICATED:
+            if offered:  # a request without a token guesses nothing: only offered tokens count and are logged
+                count = failures.record(address)
+                log.warning(
+                    "failed authentication %d from %s on %s: %s", count, address, request.url.path, decision.reason
+                )
             raise HTTPException(401, decision.reason, headers={"WWW-Authenticate": "Bearer"})
         if decision.verdict is Verdict.FORBIDDEN:
             raise HTTPException(403, decision.reason)
@@ -130,11 +266,22 @@ Admin = Annotated[ApiToken | None, Depends(_needs("admin"))]
 
 
 def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> FastAPI:
-    app = FastAPI(title="clusterfit", version=__version__, docs_url="/api/docs", openapi_url="/api/openapi.json")
+    # NOTE: no interactive docs page: FastAPI's loads its script from a CDN into the dashboard's origin, where
+    # it could read the token in localStorage. The schema itself is served, for any OpenAPI viewer.
+    app = FastAPI(
+        title="clusterfit", version=__version__, docs_url=None, redoc_url=None, openapi_url="/api/openapi.json"
+    )
     app.state.store, app.state.settings = store, settings
+    app.state.failed_authentications = FailedAuthentications(
+        settings.auth_failures_allowed, settings.auth_failure_window_s
+    )
     jobs = LocalJobs(store, start_jobs=not settings.paused)
 
+    # The last added runs first: headers on every answer, then the body limit, then (without tokens) Host/Origin.
+    if not settings.auth:
+        app.add_middleware(LoopbackOnly)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(SecurityHeaders)
 
     @app.exception_handler(ServiceError)
     async def service_error(_request: Request, exc: ServiceError) -> JSONResponse:
@@ -147,7 +294,7 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
 
     @app.post("/api/jobs", status_code=201)
     def submit(request: SubmitRequest, token: Submitter) -> dict[str, Any]:
-        return jobs.submit_text(request.spec, request.overrides, request.source, owner=token.name if token else "")
+        return jobs.submit_text(request.spec, request.overrides, request.source, owner=token.owner if token else "")
 
     @app.get("/api/jobs")
     def list_jobs(
@@ -179,13 +326,21 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
         return jobs.logs(job_id, cursor, rank)
 
     @app.post("/api/jobs/{job_id}/cancel")
-    def cancel(job_id: str, _: Submitter) -> dict[str, Any]:
+    def cancel(job_id: str, token: Submitter) -> dict[str, Any]:
+        if token is not None:
+            job = jobs.status(job_id)
+            if not acts_for(token, job["owner"]):
+                raise HTTPException(
+                    403,
+                    f"job {job['id']} belongs to {job['owner']!r}; token {token.name!r} of {token.owner!r} cancels "
+                    "only its owner's jobs (an admin token cancels any)",
+                )
         return jobs.cancel(job_id)
 
     @app.post("/api/tokens", status_code=201)
     def create_token(request: TokenRequest, _: Admin) -> dict[str, Any]:
         try:
-            issued = issue_token(store, request.scope, parse_ttl(request.ttl), request.name)
+            issued = issue_token(store, request.scope, parse_ttl(request.ttl), request.name, request.owner)
         except TokenError as exc:
             raise HTTPException(422, str(exc)) from None
         return {**_token_row(store.token_by_id(issued.id)), "token": issued.secret}
@@ -203,7 +358,7 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
 
     @app.get("/api/whoami")
     def whoami(token: Reader) -> dict[str, Any]:
-        return _token_row(token) if token else {"name": "", "scopes": ",".join(SCOPES), "auth": False}
+        return _token_row(token) if token else {"name": "", "owner": "", "scopes": ",".join(SCOPES), "auth": False}
 
     @app.get("/", include_in_schema=False)
     def dashboard() -> FileResponse:
@@ -217,6 +372,7 @@ def _token_row(token: ApiToken) -> dict[str, Any]:
     return {
         "id": token.id,
         "name": token.name,
+        "owner": token.owner,
         "scopes": token.scopes,
         "created_at": token.created_at.isoformat(),
         "expires_at": token.expires_at.isoformat() if token.expires_at else None,
@@ -261,16 +417,6 @@ def bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
-
-
-def is_loopback(host: str) -> bool:
-    """Parsed, not matched as text: `127.evil.example` is a name anyone can point anywhere."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def serve(

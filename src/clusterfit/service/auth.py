@@ -15,8 +15,9 @@ from datetime import datetime, timedelta
 from clusterfit.service.store import ApiToken, JobStore, utcnow
 
 SCOPES = ("read", "submit", "admin")  # each includes the ones before it
-_TTL = re.compile(r"^(\d+)\s*([smhdw])$")
-_TTL_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+_TTL = re.compile(r"^(\d{1,12})\s*([smhdw])$")  # 12 digits: past MAX_TTL in any unit
+_TTL_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+MAX_TTL = timedelta(days=3650)  # a token meant to outlive ten years is one meant to never expire
 
 
 class TokenError(ValueError):
@@ -36,10 +37,12 @@ def parse_ttl(text: str | None) -> timedelta | None:
         raise TokenError(
             f"--ttl {text!r} is not a lifetime; use a number and a unit, e.g. 90s, 15m, 1h, 7d, 2w, or never"
         )
-    try:
-        return timedelta(**{_TTL_UNITS[match.group(2)]: int(match.group(1))})
-    except OverflowError:
-        raise TokenError(f"--ttl {text!r} is longer than any date can hold; use a shorter lifetime, or never") from None
+    # NOTE: compared as whole seconds before any timedelta or date is made: either can overflow, and an
+    # expiry past the year 9999 cannot be stored.
+    seconds = int(match.group(1)) * _TTL_SECONDS[match.group(2)]
+    if seconds > MAX_TTL.total_seconds():
+        raise TokenError(f"--ttl {text!r} is longer than {MAX_TTL.days} days; use a shorter lifetime, or never")
+    return timedelta(seconds=seconds)
 
 
 def check_scope(scope: str) -> str:
@@ -52,20 +55,33 @@ def grants(held: str, needed: str) -> bool:
     return SCOPES.index(held) >= SCOPES.index(needed)
 
 
+def held_scopes(record: ApiToken) -> list[str]:
+    return [scope for scope in record.scopes.split(",") if scope in SCOPES]
+
+
+def acts_for(record: ApiToken, owner: str) -> bool:
+    """Whether a token may change what `owner` submitted: its own owner's jobs, or any job with `admin`."""
+    return record.owner == owner or any(grants(scope, "admin") for scope in held_scopes(record))
+
+
 @dataclass(frozen=True)
 class IssuedToken:
     id: int
     name: str
+    owner: str
     scope: str
     expires_at: datetime | None
     secret: str  # the token itself: printed once, never stored
 
 
-def issue_token(store: JobStore, scope: str, ttl: timedelta | None, name: str = "") -> IssuedToken:
+def issue_token(store: JobStore, scope: str, ttl: timedelta | None, name: str = "", owner: str = "") -> IssuedToken:
+    """A new token; the jobs it submits belong to `owner` (default: its name), and a `submit` token cancels only
+    those."""
     check_scope(scope)
     secret = "cf_" + secrets.token_urlsafe(32)
-    record = store.add_token(name or f"{scope}-token", hash_token(secret), [scope], ttl)
-    return IssuedToken(record.id, record.name, scope, record.expires_at, secret)
+    name = name or f"{scope}-token"
+    record = store.add_token(name, hash_token(secret), [scope], ttl, owner=owner or name)
+    return IssuedToken(record.id, record.name, record.owner, scope, record.expires_at, secret)
 
 
 class Verdict(str, enum.Enum):
@@ -92,8 +108,7 @@ def decide(record: ApiToken | None, needed: str, now: datetime | None = None) ->
         return Decision(
             Verdict.UNAUTHENTICATED, f"token {record.name!r} expired at {record.expires_at:%Y-%m-%d %H:%M} UTC"
         )
-    held = [scope for scope in record.scopes.split(",") if scope in SCOPES]
-    if not any(grants(scope, needed) for scope in held):
+    if not any(grants(scope, needed) for scope in held_scopes(record)):
         return Decision(
             Verdict.FORBIDDEN, f"token {record.name!r} has scope {record.scopes!r}; this needs {needed!r}", record
         )

@@ -11,18 +11,46 @@ import os
 import ssl
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
+from clusterfit.service.addresses import is_loopback
 from clusterfit.service.jobs import Refused, ServiceError
 from clusterfit.service.states import JobState
 
 CA_CERT_ENV = "CLUSTERFIT_CA_CERT"  # a PEM file to trust, for a server with a self-signed certificate
+PLAIN_HTTP_ENV = "CLUSTERFIT_ALLOW_PLAIN_HTTP"  # 1: send the token over http:// to another host anyway
+
+
+def plain_http_refusal(url: str, allowed: bool) -> str | None:
+    """Why a token must not be sent to `url`, or None: over plain HTTP anyone on the path reads it, so only
+    to this machine (a loopback address, parsed) unless the user says the network is trusted."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or allowed or is_loopback(parts.hostname):
+        return None
+    return (
+        f"--server {url}: plain http to {parts.hostname} would send the token in clear; use https://, "
+        f"or set {PLAIN_HTTP_ENV}=1 if the network between you and the server is trusted"
+    )
 
 
 class ServiceClient:
-    def __init__(self, url: str, token: str | None, *, ca_cert: str | None = None, timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        ca_cert: str | None = None,
+        timeout: float = 60.0,
+        allow_plain_http: bool | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
+        if allow_plain_http is None:
+            allow_plain_http = os.environ.get(PLAIN_HTTP_ENV, "") == "1"
+        refusal = plain_http_refusal(self.url, allow_plain_http) if token else None
+        if refusal:
+            raise ServiceError(refusal, 2)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         ca_cert = ca_cert or os.environ.get(CA_CERT_ENV)
         verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_cert) if ca_cert else True

@@ -109,6 +109,7 @@ class ApiToken(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     name: Mapped[str] = mapped_column(String(64))
+    owner: Mapped[str] = mapped_column(String(64), default="")  # whose jobs it submits, cancels and sees as its own
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex; the token itself is never kept
     scopes: Mapped[str] = mapped_column(String(64))  # comma-separated: read, submit, admin
     created_at: Mapped[datetime] = mapped_column(UtcDateTime())
@@ -266,10 +267,13 @@ class JobStore:
             session.add(JobEvent(job_id=job_id, at=utcnow(), state=state.value, message=message))
 
     # --- tokens -----------------------------------------------------------------------------------------
-    def add_token(self, name: str, token_hash: str, scopes: list[str], ttl: timedelta | None) -> ApiToken:
+    def add_token(
+        self, name: str, token_hash: str, scopes: list[str], ttl: timedelta | None, owner: str = ""
+    ) -> ApiToken:
         now = utcnow()
         token = ApiToken(
             name=name,
+            owner=owner or name,
             token_hash=token_hash,
             scopes=",".join(sorted(scopes)),
             created_at=now,
