@@ -22,7 +22,7 @@ _MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_MIGRATION_LOCK = 0x636C7573  # any constant: one advisory lock id for "clusterfit migrations"
 
 
-def _alembic_config() -> Config:
+def alembic_config() -> Config:
     config = Config()
     config.set_main_option("script_location", str(_MIGRATIONS))
     return config
@@ -35,7 +35,7 @@ def _current_revision(engine: Engine) -> str | None:
 
 def migrate(engine: Engine) -> None:
     """Upgrade to head; cheap when already there. Concurrent openers wait for one migrator."""
-    config = _alembic_config()
+    config = alembic_config()
     head = ScriptDirectory.from_config(config).get_current_head()
     if _current_revision(engine) == head:
         return

@@ -1,0 +1,263 @@
+"""The job service's HTTP boundary under attack, replayed against real `clusterfit server` processes on
+loopback: owners and their jobs, failed authentications, hostile Host and Origin headers without tokens, the
+headers every answer carries, and where tokens may travel over plain HTTP (docs/security.md)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_cli, tiny_job
+from service_server import ServerProcess, client
+
+from clusterfit.service.api import SECURITY_HEADERS, FailedAuthentications, exposure_refusal
+from clusterfit.service.auth import issue_token
+from clusterfit.service.client import ServiceClient
+from clusterfit.service.jobs import ServiceError
+from clusterfit.service.migrate import open_store
+
+
+class Served:
+    """A paused server over its own SQLite store, shared by a module's tests (starting one takes seconds)."""
+
+    def __init__(self, home: Path, *args: str) -> None:
+        self.store_url = f"sqlite:///{home / 'jobs.db'}"
+        self.server = ServerProcess(
+            "--paused", *args, env={"CLUSTERFIT_HOME": str(home), "CLUSTERFIT_DATABASE_URL": self.store_url}
+        )
+
+    def token(self, scope: str, name: str, owner: str = "") -> str:
+        return issue_token(open_store(self.store_url), scope, timedelta(hours=1), name, owner).secret
+
+    def job_state(self, job_id: str) -> str:
+        return open_store(self.store_url).get(job_id).state
+
+    def count_jobs(self) -> int:
+        return open_store(self.store_url).count_jobs()
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    served = Served(tmp_path_factory.mktemp("guarded-home"))
+    with served.server:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def tokenless(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    served = Served(tmp_path_factory.mktemp("tokenless-home"), "--no-auth")
+    with served.server:
+        yield served
+
+
+def _job(tmp_path: Path) -> dict[str, str]:
+    return {"spec": yaml.safe_dump(tiny_job(tmp_path / "out"), sort_keys=False)}
+
+
+# --- owners ---------------------------------------------------------------------------------------------
+def test_a_submit_token_cancels_only_its_owners_jobs(guarded: Served, tmp_path: Path) -> None:
+    alice_laptop = guarded.token("submit", "alice-laptop", owner="alice")
+    alice_ci = guarded.token("submit", "alice-ci", owner="alice")
+    bob = guarded.token("submit", "bob")
+    admin = guarded.token("admin", "ops")
+    with client(guarded.server.url, alice_laptop) as http:
+        first, second = (http.post("/api/jobs", json=_job(tmp_path)).json() for _ in range(2))
+    assert first["owner"] == second["owner"] == "alice"  # the token's owner, not its name
+
+    with client(guarded.server.url, bob) as http:
+        refused = http.post(f"/api/jobs/{first['id']}/cancel")
+        assert refused.status_code == 403
+        assert refused.json()["detail"] == (
+            f"job {first['id']} belongs to 'alice'; token 'bob' of 'bob' cancels only its owner's jobs "
+            "(an admin token cancels any)"
+        )
+        assert http.get(f"/api/jobs/{first['id']}").json()["state"] == "QUEUED"  # bob still sees it
+    assert guarded.job_state(first["id"]) == "QUEUED"
+    with client(guarded.server.url, alice_ci) as http:  # another token of the same owner
+        assert http.post(f"/api/jobs/{first['id']}/cancel").json()["state"] == "CANCELLED"
+    with client(guarded.server.url, admin) as http:
+        assert http.post(f"/api/jobs/{second['id']}/cancel").json()["state"] == "CANCELLED"
+        made = http.post("/api/tokens", json={"scope": "submit", "name": "carol-ci", "owner": "carol"}).json()
+        assert (made["name"], made["owner"]) == ("carol-ci", "carol")
+
+
+def test_a_token_lifetime_past_ten_years_is_a_one_line_refusal(guarded: Served) -> None:
+    with client(guarded.server.url, guarded.token("admin", "ops")) as http:
+        for ttl in ("9999999w", "99999999999w"):  # the first fits a timedelta but no expiry date
+            response = http.post("/api/tokens", json={"scope": "read", "ttl": ttl})
+            assert response.status_code == 422
+            assert (
+                response.json()["detail"] == f"--ttl {ttl!r} is longer than 3650 days; use a shorter lifetime, or never"
+            )
+        assert http.post("/api/tokens", json={"scope": "read", "ttl": "9" * 5000 + "h"}).status_code == 422
+        assert http.post("/api/tokens", json={"scope": "read", "ttl": "520w"}).status_code == 201
+
+
+def test_failed_authentications_are_logged_and_limited_per_address(tmp_path: Path) -> None:
+    """Its own server: once limited, 127.0.0.1 (every test's address) is refused for a minute."""
+    served = Served(tmp_path)
+    valid = served.token("read", "reader")
+    guesses = [f"cf_guess-{number}" for number in range(31)]
+    with served.server as server:
+        for guess in guesses[:30]:
+            with client(server.url, guess) as http:
+                assert http.get("/api/jobs").status_code == 401
+        with client(server.url, guesses[30]) as http:
+            limited = http.get("/api/jobs")
+        with client(server.url, valid) as http:
+            also_limited = http.get("/api/jobs")  # the address is limited, whatever it sends next
+        with client(server.url) as http:
+            assert http.get("/api/health").status_code == 200  # no token needed, none checked
+    assert limited.status_code == 429 and also_limited.status_code == 429
+    assert 55 <= int(limited.headers["retry-after"]) <= 60
+    assert limited.json()["detail"].startswith("too many failed authentications from 127.0.0.1; try again in")
+    log = "".join(server.output)
+    assert "failed authentication 1 from 127.0.0.1 on /api/jobs: unknown token" in log
+    assert "failed authentication 30 from 127.0.0.1" in log
+    assert not any(guess in log for guess in guesses)  # what was offered is never written down
+
+
+def test_failed_authentications_are_counted_in_bounded_memory() -> None:
+    now = [0.0]
+    failures = FailedAuthentications(allowed=2, window_s=60, max_addresses=3, clock=lambda: now[0])
+    for address in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"):
+        failures.record(address)
+    assert failures.record("10.0.0.4") == 2 and failures.wait_s("10.0.0.4") == 60
+    assert failures.wait_s("10.0.0.3") == 0  # one failure: not yet limited
+    assert failures.record("10.0.0.1") == 1  # forgotten: only the 3 addresses seen last are kept
+    now[0] = 60.0
+    assert failures.wait_s("10.0.0.4") == 0 and failures.record("10.0.0.4") == 1  # a new window
+
+
+# --- without tokens: Host and Origin --------------------------------------------------------------------
+def test_without_tokens_only_loopback_hosts_and_this_servers_pages_are_answered(
+    tokenless: Served, tmp_path: Path
+) -> None:
+    url = tokenless.server.url
+    own_origin = url.rstrip("/")
+    port = url.rsplit(":", 1)[1].strip("/")
+    before = tokenless.count_jobs()
+    with client(url) as http:
+        rebound = http.post("/api/jobs", json=_job(tmp_path), headers={"Host": f"attacker.example:{port}"})
+        assert rebound.status_code == 400
+        assert rebound.json()["detail"].startswith("Host 'attacker.example:")
+        assert http.get("/api/jobs", headers={"Host": f"127.evil.example:{port}"}).status_code == 400
+        for origin in ("http://attacker.example", "null", f"http://localhost:{port}", "http://127.0.0.1:1"):
+            cross = http.post("/api/jobs", json=_job(tmp_path), headers={"Origin": origin})
+            assert cross.status_code == 403, origin
+        assert tokenless.count_jobs() == before  # nothing refused was recorded
+        same = http.post("/api/jobs", json=_job(tmp_path), headers={"Origin": own_origin})  # the dashboard
+        assert same.status_code == 201
+        assert http.post(f"/api/jobs/{same.json()['id']}/cancel", headers={"Origin": own_origin}).status_code == 200
+        assert http.get("/api/health", headers={"Host": f"localhost:{port}"}).status_code == 200
+        assert http.get("/api/health", headers={"Host": f"[::1]:{port}"}).status_code == 200
+
+
+# --- what every answer says to a browser ----------------------------------------------------------------
+def test_every_answer_carries_the_security_headers_and_no_third_party_script(guarded: Served) -> None:
+    expected = {name.decode(): value.decode() for name, value in SECURITY_HEADERS}
+    assert "frame-ancestors 'none'" in expected["content-security-policy"]
+    with client(guarded.server.url) as http:
+        answers = {
+            "dashboard": http.get("/"),
+            "script": http.get("/ui/app.js"),
+            "health": http.get("/api/health"),
+            "401": http.get("/api/jobs"),
+            "404": http.get("/nowhere"),
+            "413": http.post("/api/jobs", content=b"x" * (2 * 1024 * 1024)),
+            "docs page": http.get("/api/docs"),
+        }
+        assert answers["401"].status_code == 401 and answers["413"].status_code == 413
+        assert answers["docs page"].status_code == 404  # FastAPI's page loads its script from a CDN
+        assert http.get("/api/openapi.json").json()["info"]["title"] == "clusterfit"
+        for what, answer in answers.items():
+            assert {name: answer.headers.get(name) for name in expected} == expected, what
+    assert '<script src="/ui/app.js">' in answers["dashboard"].text and "//" not in answers["dashboard"].text
+
+
+# --- TLS: where a token may travel in clear -------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("host", "auth", "tls", "tls_elsewhere", "refused"),
+    [
+        ("127.0.0.1", True, False, False, None),
+        ("::1", False, False, False, None),
+        ("0.0.0.0", True, False, False, "--host 0.0.0.0 without TLS"),
+        ("127.evil.example", True, False, False, "--host 127.evil.example without TLS"),
+        ("0.0.0.0", True, True, False, None),
+        ("0.0.0.0", True, False, True, None),
+        ("10.0.0.5", False, True, False, "--no-auth with --host 10.0.0.5"),
+    ],
+)
+def test_a_network_address_needs_tokens_and_tls(
+    host: str, auth: bool, tls: bool, tls_elsewhere: bool, refused: str | None
+) -> None:
+    refusal = exposure_refusal(host, auth=auth, tls=tls, tls_elsewhere=tls_elsewhere)
+    assert refusal is None if refused is None else refusal.startswith(refused)
+
+
+def test_the_server_refuses_a_network_address_without_tls() -> None:
+    refused = run_cli("server", "--host", "0.0.0.0", "--port", "0")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "--host 0.0.0.0 without TLS: tokens would cross the network in clear" in refused.stderr
+    with socket.socket() as taken:  # bound, never listening: nothing is reachable, the port is just taken
+        taken.bind(("0.0.0.0", 0))
+        elsewhere = run_cli("server", "--host", "0.0.0.0", "--port", str(taken.getsockname()[1]),
+                            "--tls-terminated-elsewhere")  # fmt: skip
+    assert elsewhere.returncode == 2 and "cannot listen on 0.0.0.0" in elsewhere.stderr  # past the check
+
+
+@pytest.mark.parametrize(
+    ("url", "token", "allowed", "refused"),
+    [
+        ("http://10.0.0.5:8080", "cf_x", False, True),
+        ("http://127.evil.example:8080", "cf_x", False, True),
+        ("http://server.example", "cf_x", False, True),
+        ("http://10.0.0.5:8080", "cf_x", True, False),
+        ("http://10.0.0.5:8080", None, False, False),
+        ("https://10.0.0.5:8080", "cf_x", False, False),
+        ("http://127.0.0.1:8080", "cf_x", False, False),
+        ("http://[::1]:8080", "cf_x", False, False),
+        ("http://localhost:8080", "cf_x", False, False),
+    ],
+)
+def test_the_client_sends_a_token_over_plain_http_only_to_loopback(
+    url: str, token: str | None, allowed: bool, refused: bool
+) -> None:
+    if refused:
+        with pytest.raises(ServiceError, match=r"would send the token in clear; use https://, or set") as caught:
+            ServiceClient(url, token, allow_plain_http=allowed)
+        assert caught.value.exit_code == 2
+    else:
+        ServiceClient(url, token, allow_plain_http=allowed).close()
+
+
+def test_the_cli_refuses_a_plain_http_server_elsewhere_before_connecting() -> None:
+    refused = run_cli("list", "--server", "http://192.0.2.1:8080", "--token", "cf_x", timeout=30)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
+    assert "plain http to 192.0.2.1 would send the token in clear" in refused.stderr
+
+
+def test_tokens_made_before_owners_existed_own_what_they_submitted(tmp_path: Path) -> None:
+    """Jobs of a store made before owners existed carry their token's name: after the upgrade, that token
+    (and only tokens of that owner) still cancels them."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from clusterfit.service.migrate import alembic_config
+    from clusterfit.service.store import make_engine
+
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    engine = make_engine(url)
+    config = alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0001")
+        connection.execute(
+            text("INSERT INTO api_tokens (name, token_hash, scopes, created_at) VALUES ('ci', 'h', 'submit', :now)"),
+            {"now": "2026-11-01 00:00:00"},
+        )
+    assert [(token.name, token.owner) for token in open_store(url).list_tokens()] == [("ci", "ci")]
