@@ -308,7 +308,9 @@ def server(
         sock = bind(host, port)
     except OSError as exc:
         raise _fail(f"cannot listen on {host}:{port}: {exc.strerror}; choose another --port or --host") from None
-    settings = ServerSettings(auth=not no_auth, paused=paused, max_body_bytes=max_body_bytes)
+    settings = ServerSettings(
+        auth=not no_auth, paused=paused, max_body_bytes=max_body_bytes, behind_proxy=tls_terminated_elsewhere
+    )
     say = partial(console.print, markup=False, highlight=False, soft_wrap=True)
     # Failed authentications and maintenance errors go to stderr with their time, for the operator.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -58,6 +58,9 @@ class ServerSettings:
     # window ends: a token has 256 random bits, so this bounds the noise and the database reads, not the odds.
     auth_failures_allowed: int = 30
     auth_failure_window_s: float = 60.0
+    # A proxy in front serves HTTPS (`--tls-terminated-elsewhere`): only then is the client address it forwards
+    # (X-Forwarded-For) believed; otherwise any local process could name another address to each request.
+    behind_proxy: bool = False
 
 
 def exposure_refusal(host: str, *, auth: bool, tls: bool, tls_elsewhere: bool) -> str | None:
@@ -435,6 +438,7 @@ def serve(
         ssl_certfile=str(tls_cert) if tls_cert else None,
         ssl_keyfile=str(tls_key) if tls_key else None,
         log_level="warning",
+        proxy_headers=settings.behind_proxy,
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
