@@ -125,6 +125,12 @@ class AugmentSpec(_Strict):
     flip: bool | None = Field(None, description="random horizontal flip; imagenet yes, small no")
     policy: Literal["none", "randaugment", "trivialaugment", "autoaugment"] = "none"
     random_erasing: float = Field(0.0, ge=0, le=1, description="probability of erasing a random rectangle")
+    mixup_alpha: float = Field(
+        0.0, ge=0, description="MixUp on each batch, on the device, with Beta(alpha, alpha) weights; 0 = off"
+    )
+    cutmix_alpha: float = Field(
+        0.0, ge=0, description="CutMix on each batch; with mixup_alpha too, each batch gets one of the two"
+    )
 
     @model_validator(mode="after")
     def _ranges(self) -> AugmentSpec:
@@ -151,6 +157,8 @@ class AugmentSpec(_Strict):
             flip=self.flip if self.flip is not None else not small,
             policy=self.policy,
             random_erasing=self.random_erasing,
+            mixup_alpha=self.mixup_alpha,
+            cutmix_alpha=self.cutmix_alpha,
         )
 
 
@@ -165,6 +173,8 @@ class ResolvedAugment(BaseModel):
     flip: bool
     policy: str
     random_erasing: float
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
 
     def describe(self) -> str:
         parts = [
@@ -176,7 +186,20 @@ class ResolvedAugment(BaseModel):
             parts.append(self.policy)
         if self.random_erasing:
             parts.append(f"random erasing p={self.random_erasing:g}")
+        if self.mixup_alpha:
+            parts.append(f"mixup alpha={self.mixup_alpha:g}")
+        if self.cutmix_alpha:
+            parts.append(f"cutmix alpha={self.cutmix_alpha:g}")
         return "augmentation: " + ", ".join(parts)
+
+
+ValMetric = Literal["val_top1", "val_top5", "val_loss"]  # val_loss is better lower, the others higher
+
+
+class EarlyStoppingSpec(_Strict):
+    metric: ValMetric = "val_top1"
+    patience: int = Field(3, ge=1, description="validations without improvement before the job ends")
+    min_delta: float = Field(0.0, ge=0, description="a smaller change does not count as an improvement")
 
 
 class TrainerSpec(_Strict):
@@ -198,6 +221,18 @@ class TrainerSpec(_Strict):
     strategy: Literal["ddp", "fsdp", "pipeline", "localsgd"] = "ddp"
     strategy_options: StrategyOptions = DdpOptions()
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    clip_grad_norm: float | None = Field(
+        None, gt=0, description="clip the gradients' global L2 norm to this value before each step; null = off"
+    )
+    validate_every_epochs: int = Field(1, ge=1, description="validate after every Nth epoch and after the last")
+    stop_at: dict[ValMetric, float] = Field(
+        default_factory=dict,
+        description="end the job once a validation metric reaches this value, e.g. {val_top1: 0.95}; the time "
+        "it took is in summary.json",
+    )
+    early_stopping: EarlyStoppingSpec | None = Field(
+        None, description="end the job when the metric has not improved for `patience` validations"
+    )
     ddp_bucket_cap_mb: float | None = Field(
         None,
         gt=0,
@@ -242,7 +277,19 @@ class TrainerSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _stopping_needs_validation(self) -> TrainerSpec:
+        wants = "stop_at" if self.stop_at else "early_stopping" if self.early_stopping else None
+        if wants and self.data.val is None:
+            raise ValueError(f"{wants} decides on validation metrics, but data.val is null; give a validation folder")
+        return self
+
+    @model_validator(mode="after")
     def _strategy_combinations(self) -> TrainerSpec:
+        if self.clip_grad_norm is not None and self.strategy == "pipeline":
+            raise ValueError(
+                "clip_grad_norm needs the norm over all parameters, which strategy pipeline splits across stages; "
+                "use strategy ddp or fsdp, or set clip_grad_norm: null"
+            )
         if self.grad_compression != "none" and self.strategy != "ddp":
             raise ValueError(
                 f"grad_compression {self.grad_compression!r} works with strategy ddp only, not {self.strategy!r}; "

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from clusterfit import __version__
+from clusterfit.data.batch_mix import batch_mix
 from clusterfit.data.folders import inspect_data
 from clusterfit.data.loaders import build_train_data, build_val_loader, normalize_on_device
 from clusterfit.data.quality import InputTally, describe
@@ -35,6 +36,7 @@ from clusterfit.worker.optim import build_optimizer, build_schedule, match_kerne
 from clusterfit.worker.parallel import Strategy, parallelize
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
 from clusterfit.worker.stop_signal import StoppedForRequeue, StopSignal
+from clusterfit.worker.stopping import EarlyStop, early_stop
 
 log = logging.getLogger("clusterfit.train")
 
@@ -48,6 +50,7 @@ class Progress:
     global_step: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)  # one record per finished epoch
     inputs: dict[str, Any] = field(default_factory=dict)  # InputTally: unreadable files skipped so far
+    elapsed_s: float = 0.0  # job time of the runs before this one, up to their last checkpoint
 
 
 @dataclass
@@ -125,8 +128,10 @@ class Trainer:
             "storage": spec.storage,
         }
         self.train_data = build_train_data(self.cfg, self.facts, **loader_args)
+        augment = self.cfg.augment.resolved(self.cfg.data.image_size)
         if self.env.is_main and not self.cfg.data.is_synthetic:
-            log.info("%s", self.cfg.augment.resolved(self.cfg.data.image_size).describe())
+            log.info("%s", augment.describe())
+        self.mix = batch_mix(augment, len(self.facts.classes))
         self.val_loader = build_val_loader(self.cfg, self.facts, **loader_args)
         self.steps_per_epoch = self.train_data.steps_per_epoch
         self.total_steps = self.steps_per_epoch * self.cfg.epochs
@@ -141,6 +146,11 @@ class Trainer:
         )
         self.progress = Progress()
         self.resumed_from = self._restore()
+        self.elapsed_before = self.progress.elapsed_s
+        # A rerun of a job that already stopped early must not train on.
+        self.stopped_early: EarlyStop | None = early_stop(
+            self.progress.history, self.cfg.stop_at, self.cfg.early_stopping
+        )
         self.inputs = InputWatch(
             InputTally.from_dict(self.progress.inputs),
             samples_per_epoch=self.steps_per_epoch * self.global_batch,
@@ -182,14 +192,18 @@ class Trainer:
             }
         )
         try:
-            while progress.epoch < cfg.epochs:
+            while progress.epoch < cfg.epochs and self.stopped_early is None:
                 record = self._train_epoch()
-                if self.val_loader is not None:
+                if self.val_loader is not None and self._validates_after(progress.epoch):
                     self.heartbeat.beat(Phase.VALIDATING, progress.global_step, force=True)
                     record.update(self._validate())
+                record["elapsed_s"] = round(self._elapsed(), 3)
                 progress.history.append(record)
                 progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
                 self._save_checkpoint()
+                self.stopped_early = early_stop(progress.history, cfg.stop_at, cfg.early_stopping)
+                if self.stopped_early is not None and self.env.is_main:
+                    log.info("stopping early: %s", self.stopped_early.describe())
         except StoppedForRequeue:
             self.store.wait()  # the stop's checkpoint must be published before the process ends
             if self.env.is_main:
@@ -215,8 +229,13 @@ class Trainer:
             data_wait = time.perf_counter() - waited_since
             inputs = normalize_on_device(images, self.device, self.cfg.channels_last)
             targets = labels.to(self.device, non_blocking=True)
+            if self.mix is not None:
+                inputs, targets = self.mix(inputs, targets)
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.strategy.train_step(inputs, targets, self.precision, self.scaler)
+            if self.cfg.clip_grad_norm is not None:
+                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16 loss-scaled ones
+                nn.utils.clip_grad_norm_(self.strategy.module.parameters(), self.cfg.clip_grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.strategy.after_optimizer_step()
@@ -248,6 +267,13 @@ class Trainer:
             "images_per_s": totals["images_per_s"],
             "train_loss": totals["loss"],
         }
+
+    def _validates_after(self, epoch: int) -> bool:
+        """Whether the 0-based `epoch` ends with a validation: every Nth epoch and the last one."""
+        return (epoch + 1) % self.cfg.validate_every_epochs == 0 or epoch + 1 == self.cfg.epochs
+
+    def _elapsed(self) -> float:
+        return self.elapsed_before + time.time() - self.started
 
     def _sync_inputs(self) -> None:
         """Collective: merge every rank's skipped files; stops the job when there are too many."""
@@ -322,6 +348,7 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         started = time.perf_counter()
         self._sync_inputs()
+        self.progress.elapsed_s = self._elapsed()
         full = self.strategy.full_state(self.optimizer)  # collective; the state lands on the main rank only
         model_state, optim_state = full if full is not None else ({}, {})
         shared = {
@@ -376,7 +403,8 @@ class Trainer:
             "global_step": self.progress.global_step,
         }
         exported = export_model(model, self.out.model, metadata=metadata, image_size=cfg.data.image_size)
-        last_epoch = self.progress.history[-1] if self.progress.history else {}
+        validated = [e for e in self.progress.history if any(key.startswith("val_") for key in e)]
+        last_epoch = validated[-1] if validated else {}
         card = ModelCard(
             model=cfg.model,
             classes=list(self.facts.classes),
@@ -407,4 +435,5 @@ class Trainer:
             strategy=self.strategy.name,
             peak_memory_bytes_per_rank=peak_memory,
             inputs=self.inputs.tally.to_dict(),
+            stopped_early=self.stopped_early.to_dict() if self.stopped_early else None,
         )

@@ -1,0 +1,131 @@
+"""The trainer's options for real datasets: MixUp/CutMix, gradient clipping, validation every N epochs, and
+ending a job early (a target metric reached, or no improvement): decided from the history, refused in one
+line when they cannot work, and run for real on 2 ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import exported_weights, run_cli, tiny_job, write_job
+from pydantic import ValidationError
+
+from clusterfit.data.batch_mix import batch_mix
+from clusterfit.models import build_model
+from clusterfit.spec.model import AugmentSpec, EarlyStoppingSpec, TrainerSpec
+from clusterfit.worker.stopping import early_stop
+
+
+def _epochs(*values: float | None, metric: str = "val_top1") -> list[dict]:
+    """Epoch records as the trainer keeps them; None = an epoch without validation."""
+    return [
+        {"epoch": n, "elapsed_s": 10.0 * n, **({} if value is None else {metric: value})}
+        for n, value in enumerate(values, start=1)
+    ]
+
+
+def test_stop_at_ends_on_the_first_validation_that_reaches_the_target() -> None:
+    assert early_stop(_epochs(0.5, 0.9), {"val_top1": 0.95}, None) is None
+    stop = early_stop(_epochs(0.5, 0.9, 0.96), {"val_top1": 0.95}, None)
+    assert stop is not None and (stop.reason, stop.epoch, stop.value, stop.elapsed_s) == ("stop_at", 3, 0.96, 30.0)
+    # A loss target is reached from above.
+    assert early_stop(_epochs(2.0, 0.4, metric="val_loss"), {"val_loss": 0.5}, None).epoch == 2
+    assert early_stop(_epochs(2.0, 0.6, metric="val_loss"), {"val_loss": 0.5}, None) is None
+    # An epoch without validation decides nothing, even if an earlier one reached the target.
+    assert early_stop(_epochs(0.99, None), {"val_top1": 0.95}, None) is None
+
+
+def test_early_stopping_counts_validations_without_improvement() -> None:
+    patience = EarlyStoppingSpec(metric="val_top1", patience=2, min_delta=0.01)
+    assert early_stop(_epochs(0.5, 0.6, 0.6), {}, patience) is None  # one flat validation so far
+    stop = early_stop(_epochs(0.5, 0.6, 0.6, 0.605), {}, patience)  # +0.005 is below min_delta
+    assert stop is not None and (stop.reason, stop.value, stop.epoch) == ("early_stopping", 0.6, 4)
+    assert early_stop(_epochs(0.5, 0.6, 0.6, 0.62), {}, patience) is None
+    # Only validated epochs count towards patience.
+    assert early_stop(_epochs(0.5, 0.6, None, 0.6, None), {}, patience) is None
+    loss = EarlyStoppingSpec(metric="val_loss", patience=1)
+    assert early_stop(_epochs(1.0, 0.8, 0.9, metric="val_loss"), {}, loss).value == 0.8
+    assert early_stop(_epochs(1.0, 0.8, 0.7, metric="val_loss"), {}, loss) is None
+
+
+@pytest.mark.parametrize(
+    ("trainer", "names"),
+    [
+        ({"stop_at": {"val_top1": 0.9}}, ["stop_at", "data.val is null"]),
+        ({"early_stopping": {"patience": 2}}, ["early_stopping", "data.val is null"]),
+        ({"stop_at": {"top1": 0.9}, "data": {"val": "v"}}, ["stop_at", "top1"]),
+        ({"clip_grad_norm": 1.0, "strategy": "pipeline"}, ["clip_grad_norm", "strategy ddp"]),
+        ({"clip_grad_norm": 0}, ["clip_grad_norm"]),
+        ({"augment": {"mixup_alpha": -1}}, ["mixup_alpha"]),
+        ({"validate_every_epochs": 0}, ["validate_every_epochs"]),
+    ],
+)
+def test_options_that_cannot_work_are_refused_naming_the_field(trainer: dict, names: list[str]) -> None:
+    data = {"train": "synthetic", "num_classes": 10, "image_size": 32, **trainer.pop("data", {})}
+    with pytest.raises(ValidationError) as error:
+        TrainerSpec(model="resnet_tiny", data=data, **trainer)
+    for name in names:
+        assert name in str(error.value)
+
+
+@pytest.mark.parametrize(("mixup", "cutmix"), [(0.2, 0.0), (0.0, 1.0), (0.2, 1.0)])
+def test_mixup_and_cutmix_keep_shapes_and_give_labels_that_sum_to_one(mixup: float, cutmix: float) -> None:
+    mix = batch_mix(AugmentSpec(mixup_alpha=mixup, cutmix_alpha=cutmix).resolved(32), num_classes=5)
+    assert mix is not None
+    images = torch.randn(8, 3, 32, 32).to(memory_format=torch.channels_last)
+    labels = torch.arange(8) % 5
+    torch.manual_seed(0)
+    mixed, soft = mix(images, labels)
+    assert mixed.shape == images.shape and mixed.dtype == images.dtype
+    assert soft.shape == (8, 5)
+    assert torch.allclose(soft.sum(dim=1), torch.ones(8))
+    assert not torch.equal(mixed, images)  # something was mixed in
+    assert batch_mix(AugmentSpec().resolved(32), num_classes=5) is None
+
+
+def test_clipped_mixed_training_stops_at_its_target_and_a_rerun_does_not_train_on(
+    tmp_path: Path, tiny_imagefolder: Path
+) -> None:
+    """2 ranks, MixUp+CutMix, a gradient norm clipped to almost nothing, validation every 2nd epoch, and a
+    target every validation reaches: the job ends after epoch 2 of 6, and its weights barely moved."""
+    out = tmp_path / "out"
+    job = tiny_job(
+        out,
+        norm_layer="group",  # no running statistics: the parameters are all that training changes
+        epochs=6,
+        steps_per_epoch=2,
+        validate_every_epochs=2,
+        clip_grad_norm=1e-9,
+        stop_at={"val_top1": 0.0},
+        optimizer={"lr": 1.0, "weight_decay": 0.0},
+        augment={"mixup_alpha": 0.2, "cutmix_alpha": 1.0},
+        data={"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "num_classes": None},
+    )
+    spec = write_job(tmp_path / "job.yaml", job)
+    result = run_cli("run", str(spec))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "mixup alpha=0.2, cutmix alpha=1" in result.stdout
+    assert "stopping early: val_top1 reached" in result.stdout
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert [e["epoch"] for e in summary["epochs"]] == [1, 2]
+    assert "val_top1" not in summary["epochs"][0] and "val_top1" in summary["epochs"][1]
+    assert 0 < summary["epochs"][0]["elapsed_s"] < summary["epochs"][1]["elapsed_s"]
+    stopped = summary["stopped_early"]
+    assert (stopped["reason"], stopped["metric"], stopped["epoch"]) == ("stop_at", "val_top1", 2)
+    assert stopped["elapsed_s"] == summary["epochs"][1]["elapsed_s"]
+    assert summary["steps"] == 4
+    card = json.loads((out / "model" / "model_card.json").read_text())
+    assert "val_top1" in card["metrics"]
+
+    torch.manual_seed(0)  # the trainer's seed: the weights every rank starts from
+    initial = build_model("resnet_tiny", 3, "group", 32).state_dict()
+    trained = exported_weights(out)
+    # 4 SGD steps at lr 1 with momentum move a weight by at most ~10 gradient norms: 1e-8 after clipping.
+    assert max((trained[k] - initial[k]).abs().max().item() for k in initial) < 1e-7
+
+    rerun = run_cli("run", str(spec))
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 4
