@@ -4,6 +4,7 @@ line when they cannot work, and run for real on 2 ranks."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -11,11 +12,17 @@ import pytest
 import torch
 from conftest import exported_weights, run_cli, tiny_job, write_job
 from pydantic import ValidationError
+from safetensors.torch import save_file
 
 from clusterfit.data.batch_mix import batch_mix
+from clusterfit.errors import SpecError
 from clusterfit.models import build_model
+from clusterfit.models.starting_weights import load_starting_weights
 from clusterfit.spec.model import AugmentSpec, EarlyStoppingSpec, TrainerSpec
 from clusterfit.worker.stopping import early_stop
+
+# The two jobs share one trained model (a module fixture): one worker runs them.
+pytestmark = pytest.mark.xdist_group("training_options")
 
 
 def _epochs(*values: float | None, metric: str = "val_top1") -> list[dict]:
@@ -60,6 +67,7 @@ def test_early_stopping_counts_validations_without_improvement() -> None:
         ({"clip_grad_norm": 0}, ["clip_grad_norm"]),
         ({"augment": {"mixup_alpha": -1}}, ["mixup_alpha"]),
         ({"validate_every_epochs": 0}, ["validate_every_epochs"]),
+        ({"init": {"weights": "w", "freeze_backbone_epochs": 1}, "strategy": "pipeline"}, ["freeze_backbone_epochs"]),
     ],
 )
 def test_options_that_cannot_work_are_refused_naming_the_field(trainer: dict, names: list[str]) -> None:
@@ -85,12 +93,33 @@ def test_mixup_and_cutmix_keep_shapes_and_give_labels_that_sum_to_one(mixup: flo
     assert batch_mix(AugmentSpec().resolved(32), num_classes=5) is None
 
 
-def test_clipped_mixed_training_stops_at_its_target_and_a_rerun_does_not_train_on(
-    tmp_path: Path, tiny_imagefolder: Path
-) -> None:
+def test_starting_weights_replace_only_a_head_of_another_class_count(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    source = build_model("resnet_tiny", 3, "group", 32)
+    save_file(source.state_dict(), str(tmp_path / "w.safetensors"))
+    torch.save({"model": source.state_dict()}, tmp_path / "reference.pth")  # torchvision reference's layout
+
+    for name in ("w.safetensors", "reference.pth"):
+        target = build_model("resnet_tiny", 5, "group", 32)
+        taken = load_starting_weights(target, str(tmp_path / name))
+        assert taken.replaced == ["fc.bias", "fc.weight"] and len(taken.sha256) == 64
+        mine = target.state_dict()
+        assert all(torch.equal(mine[k], v) for k, v in source.state_dict().items() if not k.startswith("fc."))
+        assert mine["fc.weight"].shape == (5, 512)
+
+    with pytest.raises(SpecError, match=r"trainer.init.weights = .*w.safetensors.*missing or shaped differently"):
+        load_starting_weights(build_model("resnet18", 5, "group", 32), str(tmp_path / "w.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def stopped_early(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """2 ranks, MixUp+CutMix, a gradient norm clipped to almost nothing, validation every 2nd epoch, and a
-    target every validation reaches: the job ends after epoch 2 of 6, and its weights barely moved."""
-    out = tmp_path / "out"
+    target every validation reaches; returns (job.yaml, outputs)."""
+    from make_tiny_imagefolder import make_tiny_imagefolder
+
+    root = tmp_path_factory.mktemp("stopped_early")
+    data = make_tiny_imagefolder(root / "data", classes=3, train_per_class=16, val_per_class=5, size=40)
+    out = root / "out"
     job = tiny_job(
         out,
         norm_layer="group",  # no running statistics: the parameters are all that training changes
@@ -101,13 +130,21 @@ def test_clipped_mixed_training_stops_at_its_target_and_a_rerun_does_not_train_o
         stop_at={"val_top1": 0.0},
         optimizer={"lr": 1.0, "weight_decay": 0.0},
         augment={"mixup_alpha": 0.2, "cutmix_alpha": 1.0},
-        data={"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "num_classes": None},
+        data={"train": str(data / "train"), "val": str(data / "val"), "num_classes": None},
     )
-    spec = write_job(tmp_path / "job.yaml", job)
+    spec = write_job(root / "job.yaml", job)
     result = run_cli("run", str(spec))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "mixup alpha=0.2, cutmix alpha=1" in result.stdout
     assert "stopping early: val_top1 reached" in result.stdout
+    return spec, out
+
+
+def test_clipped_mixed_training_stops_at_its_target_and_a_rerun_does_not_train_on(
+    stopped_early: tuple[Path, Path],
+) -> None:
+    """The job ends after epoch 2 of 6, and its weights barely moved."""
+    spec, out = stopped_early
 
     summary = json.loads((out / "summary.json").read_text())
     assert [e["epoch"] for e in summary["epochs"]] == [1, 2]
@@ -129,3 +166,36 @@ def test_clipped_mixed_training_stops_at_its_target_and_a_rerun_does_not_train_o
     rerun = run_cli("run", str(spec))
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert json.loads((out / "summary.json").read_text())["steps"] == 4
+
+
+def test_fine_tuning_starts_from_an_exported_model_with_a_new_head(
+    tmp_path: Path, stopped_early: tuple[Path, Path]
+) -> None:
+    """A second job, 5 classes instead of 3, starts from the first one's export with its backbone frozen for
+    its only epoch: the backbone comes out exactly as it went in, the new head trained."""
+    weights = stopped_early[1] / "model" / "model.safetensors"
+    out = tmp_path / "out"
+    job = tiny_job(
+        out,
+        norm_layer="group",
+        data={"num_classes": 5},
+        init={"weights": str(weights), "freeze_backbone_epochs": 1},
+    )
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "head replaced (fc.bias, fc.weight)" in result.stdout
+    started, tuned = exported_weights(stopped_early[1]), exported_weights(out)
+    assert all(torch.equal(tuned[k], v) for k, v in started.items() if not k.startswith("fc."))
+    assert tuned["fc.weight"].shape == (5, 512)
+    torch.manual_seed(0)  # the head the trainer initialised, before training moved it
+    assert not torch.equal(tuned["fc.weight"], build_model("resnet_tiny", 5, "group", 32).state_dict()["fc.weight"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["starting_weights"]["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+
+    job["trainer"]["init"]["weights"] = str(tmp_path / "missing.safetensors")
+    refused = run_cli("run", str(write_job(tmp_path / "missing.yaml", job)))
+    assert refused.returncode != 0
+    assert (
+        "trainer.init.weights = " in refused.stderr + refused.stdout
+        and "no such file" in refused.stderr + refused.stdout
+    )

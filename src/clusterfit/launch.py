@@ -6,7 +6,7 @@ from pathlib import Path
 
 from clusterfit.backends.local import local_gpu_count
 from clusterfit.data.folders import inspect_data, steps_per_epoch
-from clusterfit.errors import SpecError
+from clusterfit.errors import DataError, SpecError
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import published, read_manifest
 from clusterfit.spec.model import JobSpec
@@ -21,6 +21,12 @@ def preflight(spec: JobSpec) -> None:
     if spec.trainer is None:
         _check_command_job(spec)
         return
+    init = spec.trainer.init
+    if init is not None and not Path(init.weights).is_file():
+        raise DataError(
+            f"trainer.init.weights = {init.weights!r}: no such file; give an earlier job's model/model.safetensors",
+            retryable=False,
+        )
     facts = inspect_data(spec.trainer.data, spec.storage)
     if facts.train_images is not None:  # data at a URL is counted by the workers, once staged
         steps_per_epoch(spec.trainer, facts, spec.world_size)

@@ -202,6 +202,14 @@ class EarlyStoppingSpec(_Strict):
     min_delta: float = Field(0.0, ge=0, description="a smaller change does not count as an improvement")
 
 
+class InitSpec(_Strict):
+    weights: str = Field(
+        description="a .safetensors file (e.g. an earlier job's model/model.safetensors) or a torch state dict, "
+        "read weights-only; the classifier head is replaced when the class count differs"
+    )
+    freeze_backbone_epochs: int = Field(0, ge=0, description="train only the classifier head for this many epochs")
+
+
 class TrainerSpec(_Strict):
     model: str = Field("resnet50", description="a torchvision classification model by name, or resnet_tiny")
     norm_layer: Literal["batch", "group"] = "batch"
@@ -221,6 +229,7 @@ class TrainerSpec(_Strict):
     strategy: Literal["ddp", "fsdp", "pipeline", "localsgd"] = "ddp"
     strategy_options: StrategyOptions = DdpOptions()
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    init: InitSpec | None = Field(None, description="starting weights for fine-tuning; null = from scratch")
     clip_grad_norm: float | None = Field(
         None, gt=0, description="clip the gradients' global L2 norm to this value before each step; null = off"
     )
@@ -285,6 +294,11 @@ class TrainerSpec(_Strict):
 
     @model_validator(mode="after")
     def _strategy_combinations(self) -> TrainerSpec:
+        if self.init is not None and self.init.freeze_backbone_epochs and self.strategy == "pipeline":
+            raise ValueError(
+                "init.freeze_backbone_epochs needs the whole model on each rank, which strategy pipeline splits; "
+                "use strategy ddp or fsdp, or set freeze_backbone_epochs: 0"
+            )
         if self.clip_grad_norm is not None and self.strategy == "pipeline":
             raise ValueError(
                 "clip_grad_norm needs the norm over all parameters, which strategy pipeline splits across stages; "

@@ -21,6 +21,7 @@ from clusterfit.data.folders import inspect_data
 from clusterfit.data.loaders import build_train_data, build_val_loader, normalize_on_device
 from clusterfit.data.quality import InputTally, describe
 from clusterfit.models import build_model
+from clusterfit.models.starting_weights import StartingWeights, backbone_parameters, load_starting_weights
 from clusterfit.monitoring.sinks import open_metric_sinks
 from clusterfit.outputs import JobOutputs, Phase, RecordKind, write_summary
 from clusterfit.outputs.model_card import ModelCard, Preprocessing, spec_hash, write_model_card
@@ -113,12 +114,21 @@ class Trainer:
             build_model, self.cfg.model, len(self.facts.classes), self.cfg.norm_layer, self.cfg.data.image_size
         )
         torch.manual_seed(self.cfg.seed)  # identical initial weights on every rank
-        model = self.model_factory().to(self.device)
+        model = self.model_factory()
+        self.starting_weights: StartingWeights | None = None
+        if self.cfg.init is not None:  # a resumed job then loads its checkpoint over these
+            self.starting_weights = load_starting_weights(model, self.cfg.init.weights)
+            if env.is_main:
+                log.info("%s", self.starting_weights.describe())
+        model = model.to(self.device)
         if self.cfg.channels_last:
             model = model.to(memory_format=torch.channels_last)
         self.loss_fn = nn.CrossEntropyLoss(label_smoothing=self.cfg.label_smoothing)
         self.strategy: Strategy = parallelize(model, self.cfg, env, self.device, self.loss_fn, self.model_factory)
         torch.manual_seed(self.cfg.seed + env.rank)  # distinct augmentation streams per rank
+        freeze_epochs = self.cfg.init.freeze_backbone_epochs if self.cfg.init else 0
+        self.frozen_until_epoch = freeze_epochs
+        self.backbone = backbone_parameters(self.strategy.module) if freeze_epochs else []
 
         loader_args = {
             "rank": self.strategy.data_rank,
@@ -233,6 +243,11 @@ class Trainer:
                 inputs, targets = self.mix(inputs, targets)
             self.optimizer.zero_grad(set_to_none=True)
             loss = self.strategy.train_step(inputs, targets, self.precision, self.scaler)
+            if progress.epoch < self.frozen_until_epoch:
+                # Without a gradient, the optimizer leaves a parameter alone (no weight decay, no momentum);
+                # requires_grad stays on, which DDP's buckets need.
+                for parameter in self.backbone:
+                    parameter.grad = None
             if self.cfg.clip_grad_norm is not None:
                 self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16 loss-scaled ones
                 nn.utils.clip_grad_norm_(self.strategy.module.parameters(), self.cfg.clip_grad_norm)
@@ -436,4 +451,5 @@ class Trainer:
             peak_memory_bytes_per_rank=peak_memory,
             inputs=self.inputs.tally.to_dict(),
             stopped_early=self.stopped_early.to_dict() if self.stopped_early else None,
+            starting_weights=self.starting_weights.to_dict() if self.starting_weights else None,
         )
