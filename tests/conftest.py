@@ -96,6 +96,29 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)
 
 
+def wait_for_first_checkpoint(out: Path, launcher: subprocess.Popen) -> None:
+    wait_for(
+        lambda: launcher.poll() is not None or list((out / "checkpoints").glob("step-*/manifest.json")),
+        180,
+        "the first checkpoint",
+        interval=0.02,
+    )
+    assert launcher.poll() is None, "the job ended before its first checkpoint"
+
+
+def kill_after_first_checkpoint(job: Path, out: Path) -> None:
+    """Run the job, SIGKILL its launcher (no chance to clean up) once a checkpoint is published, and wait until
+    no process of it is left: a job killed mid-training, as a lost login node or an OOM-killed launcher leaves it."""
+    launcher = subprocess.Popen(
+        cli_command("run", str(job)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    wait_for_first_checkpoint(out, launcher)
+    launcher.kill()
+    launcher.wait()
+    wait_for(lambda: not processes_mentioning(str(out)), 60, "the killed job's processes to end")
+    assert not (out / "summary.json").exists(), "the job must have been stopped before it finished"
+
+
 def exported_weights(out_dir: Path) -> dict[str, Any]:
     return load_file(str(out_dir / "model" / "model.safetensors"))
 

@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,11 @@ from conftest import (
     REPO,
     cli_command,
     exported_weights,
+    kill_after_first_checkpoint,
     max_abs_difference,
-    processes_mentioning,
     run_cli,
     tiny_job,
+    wait_for_first_checkpoint,
     write_job,
 )
 from PIL import Image
@@ -71,29 +71,11 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "out"
 
 
-def _wait_for_first_checkpoint(out: Path, launcher: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 180
-    while not list((out / "checkpoints").glob("step-*/manifest.json")):
-        assert launcher.poll() is None, "the job ended before its first checkpoint"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-
-
 def test_killed_job_resumes_to_the_same_weights(tmp_path: Path, straight_run: Path) -> None:
     """Kill the launcher (SIGKILL) after the first checkpoint, rerun: no orphans, same weights as straight."""
     out = tmp_path / "resumed"
     job = write_job(tmp_path / "resumed.yaml", tiny_job(out, **RESUME_SETTINGS))
-    launcher = subprocess.Popen(
-        cli_command("run", str(job)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    _wait_for_first_checkpoint(out, launcher)
-    launcher.kill()  # no chance to clean up
-    launcher.wait()
-    deadline = time.monotonic() + 60
-    while processes_mentioning(str(out)):
-        assert time.monotonic() < deadline, f"orphan processes left: {processes_mentioning(str(out))}"
-        time.sleep(0.2)
-    assert not (out / "summary.json").exists(), "the job must have been stopped before it finished"
+    kill_after_first_checkpoint(job, out)
 
     rerun = _run_ok(job)
     assert "resuming from" in rerun.stdout
@@ -109,17 +91,7 @@ def test_async_checkpoints_resume_to_the_same_weights_as_sync_ones(tmp_path: Pat
     spec = tiny_job(out, **RESUME_SETTINGS)
     spec["trainer"]["checkpoint"]["async_save"] = True
     job = write_job(tmp_path / "async.yaml", spec)
-    launcher = subprocess.Popen(
-        cli_command("run", str(job)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
-    _wait_for_first_checkpoint(out, launcher)
-    launcher.kill()
-    launcher.wait()
-    deadline = time.monotonic() + 60
-    while processes_mentioning(str(out)):
-        assert time.monotonic() < deadline, f"orphan processes left: {processes_mentioning(str(out))}"
-        time.sleep(0.2)
-    assert not (out / "summary.json").exists(), "the job must have been stopped before it finished"
+    kill_after_first_checkpoint(job, out)
 
     rerun = _run_ok(job)
     assert "resuming from" in rerun.stdout
@@ -144,7 +116,7 @@ def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path
         text=True,
         start_new_session=True,
     )
-    _wait_for_first_checkpoint(out, launcher)
+    wait_for_first_checkpoint(out, launcher)
     rank1_pid = int(re.search(r"rank 1 of 2 .* pid (\d+)", (out / "logs" / "rank-1.log").read_text()).group(1))
     os.kill(rank1_pid, signal.SIGKILL)
     output, _ = launcher.communicate(timeout=300)

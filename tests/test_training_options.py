@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import exported_weights, run_cli, tiny_job, write_job
+from conftest import exported_weights, kill_after_first_checkpoint, max_abs_difference, run_cli, tiny_job, write_job
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
@@ -67,6 +67,8 @@ def test_early_stopping_counts_validations_without_improvement() -> None:
         ({"clip_grad_norm": 0}, ["clip_grad_norm"]),
         ({"augment": {"mixup_alpha": -1}}, ["mixup_alpha"]),
         ({"validate_every_epochs": 0}, ["validate_every_epochs"]),
+        ({"ema": {"decay": 0.9}, "strategy": "fsdp"}, ["ema", "strategy ddp"]),
+        ({"ema": {"decay": 1.0}}, ["ema.decay"]),
         ({"init": {"weights": "w", "freeze_backbone_epochs": 1}, "strategy": "pipeline"}, ["freeze_backbone_epochs"]),
     ],
 )
@@ -199,3 +201,32 @@ def test_fine_tuning_starts_from_an_exported_model_with_a_new_head(
         "trainer.init.weights = " in refused.stderr + refused.stdout
         and "no such file" in refused.stderr + refused.stdout
     )
+
+
+def test_the_weight_average_resumes_exactly_and_is_what_is_exported(tmp_path: Path) -> None:
+    """EMA with a short memory (decay 0.5), so it differs clearly from the raw weights: a job killed after its
+    first checkpoint and rerun exports the average an uninterrupted job exports, and that average is not the
+    raw model of the last checkpoint."""
+    settings = {
+        "norm_layer": "group",
+        "steps_per_epoch": 4,
+        "epochs": 2,
+        "checkpoint": {"every_steps": 3, "keep": 2},
+        "ema": {"decay": 0.5},
+    }
+    straight = tmp_path / "straight"
+    result = run_cli("run", str(write_job(tmp_path / "straight.yaml", tiny_job(straight, **settings))))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    resumed = tmp_path / "resumed"
+    job = write_job(tmp_path / "resumed.yaml", tiny_job(resumed, **settings))
+    kill_after_first_checkpoint(job, resumed)
+    rerun = run_cli("run", str(job))
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stdout
+    assert max_abs_difference(exported_weights(resumed), exported_weights(straight)) < 1e-6
+
+    last = torch.load(straight / "checkpoints" / "step-00000008" / "state.pt", weights_only=True)
+    average = {name.removeprefix("module."): t for name, t in last["ema"].items() if name.startswith("module.")}
+    assert max_abs_difference(exported_weights(straight), average) < 1e-7
+    assert max_abs_difference(exported_weights(straight), last["model"]) > 1e-4

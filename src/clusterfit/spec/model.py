@@ -202,6 +202,11 @@ class EarlyStoppingSpec(_Strict):
     min_delta: float = Field(0.0, ge=0, description="a smaller change does not count as an improvement")
 
 
+class EmaSpec(_Strict):
+    decay: float = Field(0.999, gt=0, lt=1, description="weight of the average's past at each update")
+    every_steps: int = Field(1, ge=1, description="update the average every k optimizer steps")
+
+
 class InitSpec(_Strict):
     weights: str = Field(
         description="a .safetensors file (e.g. an earlier job's model/model.safetensors) or a torch state dict, "
@@ -230,6 +235,9 @@ class TrainerSpec(_Strict):
     strategy_options: StrategyOptions = DdpOptions()
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
     init: InitSpec | None = Field(None, description="starting weights for fine-tuning; null = from scratch")
+    ema: EmaSpec | None = Field(
+        None, description="validate and export an exponential moving average of the weights; null = off"
+    )
     clip_grad_norm: float | None = Field(
         None, gt=0, description="clip the gradients' global L2 norm to this value before each step; null = off"
     )
@@ -298,6 +306,11 @@ class TrainerSpec(_Strict):
             raise ValueError(
                 "init.freeze_backbone_epochs needs the whole model on each rank, which strategy pipeline splits; "
                 "use strategy ddp or fsdp, or set freeze_backbone_epochs: 0"
+            )
+        if self.ema is not None and self.strategy != "ddp":
+            raise ValueError(
+                f"ema averages the whole model on every rank, which strategy {self.strategy} does not hold "
+                "(sharded, split or diverging between syncs); use strategy ddp, or set ema: null"
             )
         if self.clip_grad_norm is not None and self.strategy == "pipeline":
             raise ValueError(

@@ -28,6 +28,7 @@ from clusterfit.outputs.model_card import ModelCard, Preprocessing, spec_hash, w
 from clusterfit.spec.model import JobSpec
 from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_rng
 from clusterfit.worker.dist import DistEnv, all_reduce_sum, init_distributed, pick_device
+from clusterfit.worker.ema import WeightAverage
 from clusterfit.worker.evaluate import evaluate
 from clusterfit.worker.export import export_model
 from clusterfit.worker.faults import fault_from_env
@@ -154,6 +155,7 @@ class Trainer:
         self.store = CheckpointStore(
             self.out.checkpoints, self.cfg.checkpoint.keep, env, async_save=self.cfg.checkpoint.async_save
         )
+        self.ema = WeightAverage(self.strategy.module, self.cfg.ema, self.device) if self.cfg.ema else None
         self.progress = Progress()
         self.resumed_from = self._restore()
         self.elapsed_before = self.progress.elapsed_s
@@ -224,6 +226,8 @@ class Trainer:
         self.heartbeat.beat(Phase.EXPORTING, progress.global_step, force=True)
         peak_memory = self._peak_memory_per_rank()  # measured before export adds its own copies
         full = self.strategy.full_state(self.optimizer)  # collective
+        if full is not None and self.ema is not None:
+            full = ({name: t.detach().cpu() for name, t in self.ema.module.state_dict().items()}, full[1])
         summary = self._export(full[0], peak_memory) if full is not None else None
         self.sinks.write({"kind": RecordKind.END, "step": progress.global_step, "time": time.time()})
         self.sinks.close()
@@ -255,6 +259,8 @@ class Trainer:
             self.scaler.update()
             self.strategy.after_optimizer_step()
             self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update(self.strategy.module, progress.global_step + 1)
             epoch_meter.add(loss, data_wait)
             interval.add(loss, data_wait)
             progress.step_in_epoch += 1
@@ -324,7 +330,7 @@ class Trainer:
     def _validate(self) -> dict[str, Any]:
         assert self.val_loader is not None
         epoch = self.progress.epoch + 1
-        model = self.strategy.eval_module()
+        model = self.ema.module if self.ema is not None else self.strategy.eval_module()
         metrics = evaluate(model, self.val_loader, self.device, self.precision, self.cfg.channels_last, self.env)
         self.sinks.write({"kind": RecordKind.VAL, "step": self.progress.global_step, "epoch": epoch, **metrics})
         if self.env.is_main:
@@ -350,6 +356,8 @@ class Trainer:
         match_kernel_to_parameters(self.optimizer)
         self.scheduler.load_state_dict(loaded.shared["scheduler"])
         self.scaler.load_state_dict(loaded.shared["scaler"])
+        if self.ema is not None and "ema" in loaded.shared:  # absent when ema was switched on since
+            self.ema.load_state_dict(loaded.shared["ema"])
         if loaded.own is not None:
             restore_rng(loaded.own, self.device)
         if self.progress.step_in_epoch >= self.steps_per_epoch:  # the spec's epoch got shorter since
@@ -372,6 +380,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "progress": asdict(self.progress),
+            **({"ema": self.ema.state_dict()} if self.ema is not None and self.env.is_main else {}),
             "spec": self.spec.model_dump(mode="json"),
             "version": __version__,
         }
