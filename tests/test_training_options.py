@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import exported_weights, kill_after_first_checkpoint, max_abs_difference, run_cli, tiny_job, write_job
+from PIL import Image
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
@@ -158,6 +159,15 @@ def test_clipped_mixed_training_stops_at_its_target_and_a_rerun_does_not_train_o
     assert summary["steps"] == 4
     card = json.loads((out / "model" / "model_card.json").read_text())
     assert "val_top1" in card["metrics"]
+    # Per-class accuracy and the confusion matrix of the last validation agree with its totals.
+    per_class = summary["per_class"]
+    assert [row["class"] for row in per_class] == ["class_0", "class_1", "class_2"]
+    assert sum(row["images"] for row in per_class) == summary["final"]["val_images"] == 15
+    matrix = summary["confusion_matrix"]["rows_true_columns_predicted"]
+    assert [sum(row) for row in matrix] == [row["images"] for row in per_class]
+    assert sum(matrix[i][i] for i in range(3)) / 15 == pytest.approx(summary["final"]["val_top1"])
+    with Image.open(out / "confusion_matrix.png") as png:
+        assert png.size[0] == png.size[1] >= 3 * 10
 
     torch.manual_seed(0)  # the trainer's seed: the weights every rank starts from
     initial = build_model("resnet_tiny", 3, "group", 32).state_dict()

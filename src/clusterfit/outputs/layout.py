@@ -15,6 +15,7 @@ HEARTBEAT_DIR = "heartbeats"
 CHECKPOINT_DIR = "checkpoints"
 MODEL_DIR = "model"
 SUMMARY_FILE = "summary.json"
+CONFUSION_PNG = "confusion_matrix.png"
 CODE_DIR = "code"
 LOCK_FILE = ".clusterfit-lock"
 
@@ -77,6 +78,10 @@ class JobOutputs:
     @property
     def model(self) -> Path:
         return self.root / MODEL_DIR
+
+    @property
+    def confusion_png(self) -> Path:
+        return self.root / CONFUSION_PNG
 
     @property
     def summary(self) -> Path:

@@ -24,6 +24,7 @@ from clusterfit.models import build_model
 from clusterfit.models.starting_weights import StartingWeights, backbone_parameters, load_starting_weights
 from clusterfit.monitoring.sinks import open_metric_sinks
 from clusterfit.outputs import JobOutputs, Phase, RecordKind, write_summary
+from clusterfit.outputs.confusion import confusion_facts, write_confusion_png
 from clusterfit.outputs.model_card import ModelCard, Preprocessing, spec_hash, write_model_card
 from clusterfit.spec.model import JobSpec
 from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_rng
@@ -157,6 +158,7 @@ class Trainer:
         )
         self.ema = WeightAverage(self.strategy.module, self.cfg.ema, self.device) if self.cfg.ema else None
         self.progress = Progress()
+        self.last_confusion: list[list[int]] | None = None  # of this run's last validation
         self.resumed_from = self._restore()
         self.elapsed_before = self.progress.elapsed_s
         # A rerun of a job that already stopped early must not train on.
@@ -331,7 +333,17 @@ class Trainer:
         assert self.val_loader is not None
         epoch = self.progress.epoch + 1
         model = self.ema.module if self.ema is not None else self.strategy.eval_module()
-        metrics = evaluate(model, self.val_loader, self.device, self.precision, self.cfg.channels_last, self.env)
+        evaluation = evaluate(
+            model,
+            self.val_loader,
+            self.device,
+            self.precision,
+            self.cfg.channels_last,
+            self.env,
+            len(self.facts.classes),
+        )
+        self.last_confusion = evaluation.confusion
+        metrics = evaluation.metrics
         self.sinks.write({"kind": RecordKind.VAL, "step": self.progress.global_step, "epoch": epoch, **metrics})
         if self.env.is_main:
             log.info(
@@ -442,6 +454,11 @@ class Trainer:
         exported.append(write_model_card(self.out.model, card))
         log.info("exported %s", ", ".join(str(p) for p in exported))
         log.info("%s", describe(self.inputs.tally))
+        confusion = {}
+        if self.last_confusion is not None:
+            classes = list(self.facts.classes)
+            confusion = confusion_facts(self.last_confusion, classes)
+            write_confusion_png(self.last_confusion, classes, self.out.confusion_png)
         return write_summary(
             self.out,
             name=self.spec.name,
@@ -461,4 +478,5 @@ class Trainer:
             inputs=self.inputs.tally.to_dict(),
             stopped_early=self.stopped_early.to_dict() if self.stopped_early else None,
             starting_weights=self.starting_weights.to_dict() if self.starting_weights else None,
+            **confusion,
         )
