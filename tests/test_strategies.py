@@ -67,6 +67,19 @@ def test_pipeline_matches_one_process(tmp_path: Path, one_process: Path, schedul
     assert _losses(out) == pytest.approx(_losses(one_process), abs=TOLERANCE)
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_accumulated_batches_match_one_process_with_the_global_batch(
+    tmp_path: Path, one_process: Path, strategy: str
+) -> None:
+    """2 ranks x batch 2 x 2 accumulated batches per step = the reference's global batch of 8: same weights,
+    so the gradients of a step's batches add up, none lost or counted twice, however they are synchronised."""
+    job = _job(tmp_path / "out", processes=2, batch=2, strategy=strategy, accumulate_steps=2)
+    out = _run(tmp_path, job)
+    assert max_abs_difference(exported_weights(out), exported_weights(one_process)) < TOLERANCE
+    assert json.loads((out / "summary.json").read_text())["global_batch"] == 8
+    assert len(_losses(out)) == len(_losses(one_process))  # logged per optimizer step, as the reference
+
+
 def test_localsgd_averaging_every_step_matches_one_process(tmp_path: Path, one_process: Path) -> None:
     options = {"sync_every": 1, "warmup_steps": 0}
     out = _run(tmp_path, _job(tmp_path / "out", processes=2, batch=4, strategy="localsgd", strategy_options=options))

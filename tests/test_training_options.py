@@ -69,6 +69,7 @@ def test_early_stopping_counts_validations_without_improvement() -> None:
         ({"augment": {"mixup_alpha": -1}}, ["mixup_alpha"]),
         ({"validate_every_epochs": 0}, ["validate_every_epochs"]),
         ({"ema": {"decay": 0.9}, "strategy": "fsdp"}, ["ema", "strategy ddp"]),
+        ({"accumulate_steps": 2, "strategy": "pipeline"}, ["accumulate_steps = 2", "accumulate_steps: 1"]),
         ({"ema": {"decay": 1.0}}, ["ema.decay"]),
         ({"init": {"weights": "w", "freeze_backbone_epochs": 1}, "strategy": "pipeline"}, ["freeze_backbone_epochs"]),
     ],

@@ -108,13 +108,15 @@ def _remote(data: DataSpec, name: str, storage: StorageSpec) -> tuple[list[str],
 
 
 def steps_per_epoch(trainer: TrainerSpec, facts: DataFacts, world_size: int) -> int:
-    global_batch = trainer.batch_size * world_size
+    """Optimizer steps per epoch; each takes `accumulate_steps` batches on every worker."""
+    global_batch = trainer.batch_size * world_size * trainer.accumulate_steps
     if facts.train_images is None:
         raise ValueError("the training data must be staged before its steps can be counted")
     full = facts.train_images // global_batch
     if full == 0:
+        accumulating = f" x {trainer.accumulate_steps} accumulated batches" if trainer.accumulate_steps > 1 else ""
         raise SpecError(
-            f"trainer.batch_size = {trainer.batch_size}: {world_size} workers need {global_batch} images per step "
-            f"but the training data has {facts.train_images}; lower batch_size or the worker count"
+            f"trainer.batch_size = {trainer.batch_size}: {world_size} workers{accumulating} need {global_batch} "
+            f"images per step but the training data has {facts.train_images}; lower batch_size or the worker count"
         )
     return min(full, trainer.steps_per_epoch) if trainer.steps_per_epoch else full

@@ -70,7 +70,8 @@ def build_train_data(
     pin_memory: bool,
     storage: StorageSpec = NO_CREDENTIALS,
 ) -> TrainData:
-    steps = steps_per_epoch(trainer, facts, world_size)
+    # The loaders count batches: accumulate_steps of them make one optimizer step.
+    steps = steps_per_epoch(trainer, facts, world_size) * trainer.accumulate_steps
     data = trainer.data
     if data.is_synthetic:
         return SyntheticData(
@@ -81,6 +82,7 @@ def build_train_data(
             world_size=world_size,
             steps_per_epoch=steps,
             seed=trainer.seed,
+            batches_per_step=trainer.accumulate_steps,
         )
     workers = loader_workers(data, local_world_size)
     index = packed_index(data.train, storage)

@@ -222,6 +222,12 @@ class TrainerSpec(_Strict):
     epochs: int = Field(1, ge=1)
     steps_per_epoch: int | None = Field(None, ge=1, description="optional cap on steps per epoch")
     batch_size: int = Field(64, ge=1, description="images per worker per step")
+    accumulate_steps: int = Field(
+        1,
+        ge=1,
+        description="batches whose gradients add up to one optimizer step: the global batch is "
+        "batch_size x workers x accumulate_steps, for a global batch larger than memory",
+    )
     optimizer: OptimizerSpec = OptimizerSpec()
     schedule: ScheduleSpec = ScheduleSpec()
     label_smoothing: float = Field(0.0, ge=0, lt=1)
@@ -306,6 +312,12 @@ class TrainerSpec(_Strict):
             raise ValueError(
                 "init.freeze_backbone_epochs needs the whole model on each rank, which strategy pipeline splits; "
                 "use strategy ddp or fsdp, or set freeze_backbone_epochs: 0"
+            )
+        if self.accumulate_steps > 1 and self.strategy not in ("ddp", "fsdp"):
+            raise ValueError(
+                f"accumulate_steps = {self.accumulate_steps} works with strategy ddp or fsdp, not {self.strategy}"
+                f"{' (whose microbatches already split each batch)' if self.strategy == 'pipeline' else ''}; "
+                "set accumulate_steps: 1"
             )
         if self.ema is not None and self.strategy != "ddp":
             raise ValueError(

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +34,15 @@ _ONE_BUCKET_MB = 1 << 20  # larger than any model: DDP then puts every gradient 
 StateDict = dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Accumulation:
+    batches: int = 1  # batches per optimizer step: each loss is divided by this
+    last: bool = True  # the step's last batch, whose backward synchronises the gradients
+
+
+NO_ACCUMULATION = Accumulation()
+
+
 class Strategy(Protocol):
     name: str
     module: nn.Module  # holds the parameters this rank's optimizer updates
@@ -39,9 +50,15 @@ class Strategy(Protocol):
     data_world: int  # how many distinct slices there are (the data-parallel degree)
 
     def train_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, precision: Precision, scaler: torch.amp.GradScaler
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        precision: Precision,
+        scaler: torch.amp.GradScaler,
+        accumulation: Accumulation = NO_ACCUMULATION,
     ) -> torch.Tensor | None:
-        """Forward and backward; the mean loss where this rank computes one (None on inner pipeline stages)."""
+        """Forward and backward; the mean loss where this rank computes one (None on inner pipeline stages).
+        Gradients add up over `accumulation.batches` calls and are synchronised on the last one."""
         ...
 
     def after_optimizer_step(self) -> None: ...
@@ -118,9 +135,17 @@ class DataParallel:
             self.averager = PeriodicModelAverager(period=options.sync_every, warmup_steps=options.warmup_steps)
 
     def train_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, precision: Precision, scaler: torch.amp.GradScaler
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        precision: Precision,
+        scaler: torch.amp.GradScaler,
+        accumulation: Accumulation = NO_ACCUMULATION,
     ) -> torch.Tensor:
-        return _forward_backward(self.forward_module, self.loss_fn, inputs, targets, precision, scaler)
+        module = self.forward_module
+        hold = isinstance(module, DistributedDataParallel) and not accumulation.last
+        with module.no_sync() if hold else nullcontext():
+            return _forward_backward(module, self.loss_fn, inputs, targets, precision, scaler, accumulation.batches)
 
     def after_optimizer_step(self) -> None:
         if self.averager is not None:
@@ -176,9 +201,16 @@ class ShardedDataParallel:
         self.module = fully_shard(model, mesh=mesh, reshard_after_forward=options.reshard_after_forward)
 
     def train_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, precision: Precision, scaler: torch.amp.GradScaler
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        precision: Precision,
+        scaler: torch.amp.GradScaler,
+        accumulation: Accumulation = NO_ACCUMULATION,
     ) -> torch.Tensor:
-        return _forward_backward(self.module, self.loss_fn, inputs, targets, precision, scaler)
+        # Without sync, FSDP keeps each rank's unsharded gradients and reduce-scatters their sum on the last batch.
+        self.module.set_requires_gradient_sync(accumulation.last)
+        return _forward_backward(self.module, self.loss_fn, inputs, targets, precision, scaler, accumulation.batches)
 
     def after_optimizer_step(self) -> None:
         pass
@@ -243,8 +275,14 @@ class PipelineParallel:
         self.schedule = schedule_class(stage, options.microbatches, loss_fn=loss_fn, scale_grads=True)
 
     def train_step(
-        self, inputs: torch.Tensor, targets: torch.Tensor, precision: Precision, scaler: torch.amp.GradScaler
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        precision: Precision,
+        scaler: torch.amp.GradScaler,
+        accumulation: Accumulation = NO_ACCUMULATION,
     ) -> torch.Tensor | None:
+        # accumulation is refused with this strategy by the spec: its microbatches already split each batch.
         losses: list[torch.Tensor] | None = [] if self.is_last else None
         target = targets if self.is_last else None
         with precision.autocast(inputs.device):
@@ -303,10 +341,11 @@ def _forward_backward(
     targets: torch.Tensor,
     precision: Precision,
     scaler: torch.amp.GradScaler,
+    batches_per_step: int = 1,
 ) -> torch.Tensor:
     with precision.autocast(inputs.device):
         loss = loss_fn(module(inputs), targets)
-    scaler.scale(loss).backward()  # DDP and FSDP communicate gradients during backward
+    scaler.scale(loss / batches_per_step).backward()  # DDP and FSDP communicate gradients during backward
     return loss.detach()
 
 

@@ -36,7 +36,7 @@ from clusterfit.worker.faults import fault_from_env
 from clusterfit.worker.heartbeat import Heartbeat
 from clusterfit.worker.inputs import InputWatch
 from clusterfit.worker.optim import build_optimizer, build_schedule, match_kernel_to_parameters, scaled_lr
-from clusterfit.worker.parallel import Strategy, parallelize
+from clusterfit.worker.parallel import Accumulation, Strategy, parallelize
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
 from clusterfit.worker.stop_signal import StoppedForRequeue, StopSignal
 from clusterfit.worker.stopping import EarlyStop, early_stop
@@ -145,9 +145,9 @@ class Trainer:
             log.info("%s", augment.describe())
         self.mix = batch_mix(augment, len(self.facts.classes))
         self.val_loader = build_val_loader(self.cfg, self.facts, **loader_args)
-        self.steps_per_epoch = self.train_data.steps_per_epoch
+        self.steps_per_epoch = self.train_data.steps_per_epoch // self.cfg.accumulate_steps  # optimizer steps
         self.total_steps = self.steps_per_epoch * self.cfg.epochs
-        self.global_batch = self.cfg.batch_size * self.strategy.data_world
+        self.global_batch = self.cfg.batch_size * self.strategy.data_world * self.cfg.accumulate_steps
         self.peak_lr = scaled_lr(self.cfg.optimizer, self.global_batch)
         self.optimizer = build_optimizer(self.strategy.module, self.cfg.optimizer, self.global_batch)
         self.scheduler = build_schedule(self.optimizer, self.cfg.schedule, self.steps_per_epoch, self.total_steps)
@@ -237,34 +237,39 @@ class Trainer:
         return summary
 
     def _train_epoch(self) -> dict[str, Any]:
-        progress, every = self.progress, self.cfg.checkpoint.every_steps
+        progress, every, batches_per_step = self.progress, self.cfg.checkpoint.every_steps, self.cfg.accumulate_steps
         epoch_meter, interval = LossMeter(), LossMeter()
         self.strategy.module.train()
+        losses: list[torch.Tensor] = []  # of the optimizer step's batches so far (none on inner pipeline stages)
+        batches = 0  # of the optimizer step so far
+        data_wait = 0.0
         waited_since = time.perf_counter()
-        for images, labels in self.train_data.batches(progress.epoch, progress.step_in_epoch):
-            data_wait = time.perf_counter() - waited_since
+        first_batch = progress.step_in_epoch * batches_per_step
+        for images, labels in self.train_data.batches(progress.epoch, first_batch):
+            data_wait += time.perf_counter() - waited_since
             inputs = normalize_on_device(images, self.device, self.cfg.channels_last)
             targets = labels.to(self.device, non_blocking=True)
             if self.mix is not None:
                 inputs, targets = self.mix(inputs, targets)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss = self.strategy.train_step(inputs, targets, self.precision, self.scaler)
-            if progress.epoch < self.frozen_until_epoch:
-                # Without a gradient, the optimizer leaves a parameter alone (no weight decay, no momentum);
-                # requires_grad stays on, which DDP's buckets need.
-                for parameter in self.backbone:
-                    parameter.grad = None
-            if self.cfg.clip_grad_norm is not None:
-                self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16 loss-scaled ones
-                nn.utils.clip_grad_norm_(self.strategy.module.parameters(), self.cfg.clip_grad_norm)
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.strategy.after_optimizer_step()
-            self.scheduler.step()
-            if self.ema is not None:
-                self.ema.update(self.strategy.module, progress.global_step + 1)
+            batch_loss = self.strategy.train_step(
+                inputs,
+                targets,
+                self.precision,
+                self.scaler,
+                Accumulation(batches_per_step, last=batches == batches_per_step - 1),
+            )
+            batches += 1
+            if batch_loss is not None:
+                losses.append(batch_loss)
+            if batches < batches_per_step:
+                waited_since = time.perf_counter()
+                continue
+            loss = torch.stack(losses).mean() if losses else None
+            losses, batches = [], 0
+            self._optimizer_step()
             epoch_meter.add(loss, data_wait)
             interval.add(loss, data_wait)
+            data_wait = 0.0
             progress.step_in_epoch += 1
             progress.global_step += 1
             self.heartbeat.beat(Phase.TRAINING, progress.global_step)
@@ -290,6 +295,24 @@ class Trainer:
             "images_per_s": totals["images_per_s"],
             "train_loss": totals["loss"],
         }
+
+    def _optimizer_step(self) -> None:
+        """From the gradients of the step's batches to new weights (and their average)."""
+        if self.progress.epoch < self.frozen_until_epoch:
+            # Without a gradient, the optimizer leaves a parameter alone (no weight decay, no momentum);
+            # requires_grad stays on, which DDP's buckets need.
+            for parameter in self.backbone:
+                parameter.grad = None
+        if self.cfg.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the fp16 loss-scaled ones
+            nn.utils.clip_grad_norm_(self.strategy.module.parameters(), self.cfg.clip_grad_norm)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.strategy.after_optimizer_step()  # local SGD's averager picks the parameters that have gradients
+        self.optimizer.zero_grad(set_to_none=True)  # so the next step's batches add up from zero
+        self.scheduler.step()
+        if self.ema is not None:
+            self.ema.update(self.strategy.module, self.progress.global_step + 1)
 
     def _validates_after(self, epoch: int) -> bool:
         """Whether the 0-based `epoch` ends with a validation: every Nth epoch and the last one."""
