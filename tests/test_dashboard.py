@@ -31,6 +31,8 @@ LAUNCH_FLAGS = [
     "--disable-sync",
 ]
 LOSS_COLOUR = (0x1F, 0x6F, 0xD1)  # LINE_COLOURS.loss in dashboard/app.js
+VAL_LOSS_COLOUR = (0x7A, 0x3D, 0xB8)  # LINE_COLOURS.valLoss
+TOP1_COLOUR = (0x15, 0x80, 0x3D)  # LINE_COLOURS.top1
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason=str(skip_reason("chromium")))
 
@@ -79,12 +81,18 @@ def no_jobs_left_behind():  # noqa: ANN201
     cancel_active_jobs()
 
 
-def test_dashboard_shows_a_real_job_live(browser_page, tmp_path: Path, no_jobs_left_behind) -> None:  # noqa: ANN001
+def test_dashboard_shows_a_real_job_live(
+    browser_page,  # noqa: ANN001
+    tmp_path: Path,
+    tiny_imagefolder: Path,
+    no_jobs_left_behind,  # noqa: ANN001
+) -> None:
     from playwright.sync_api import expect
 
     page = browser_page
     submitter = make_token("submit", name="dashboard-user")
-    job = tiny_job(tmp_path / "out", steps_per_epoch=8, log_every_steps=1)
+    data = {"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "num_classes": None}
+    job = tiny_job(tmp_path / "out", epochs=2, steps_per_epoch=4, log_every_steps=1, data=data)
     with ServerProcess() as server, client(server.url, submitter) as http:
         page.goto(server.url + "/")
         expect(page.locator("#login")).to_be_visible()
@@ -121,6 +129,11 @@ def test_dashboard_shows_a_real_job_live(browser_page, tmp_path: Path, no_jobs_l
         chart = page.locator("#loss-chart").screenshot()
         page.screenshot(path=str(tmp_path / "job-page.png"), full_page=True)  # kept for a human to look at
         assert _line_pixels(chart, LOSS_COLOUR) > 200  # the line and its markers, not just the axes
+        assert _line_pixels(chart, VAL_LOSS_COLOUR) > 50  # validation loss beside it: two epochs, two markers
+        # Validation accuracy per epoch, the best epoch named and marked.
+        expect(page.locator("#val-figure")).to_be_visible()
+        expect(page.locator("#val-caption")).to_contain_text("best top-1")
+        assert _line_pixels(page.locator("#val-chart").screenshot(), TOP1_COLOUR) > 100
 
         # A job that would run for long: cancelled from its page.
         long_job = tiny_job(tmp_path / "long", steps_per_epoch=100_000)

@@ -4,7 +4,7 @@
 
 const TOKEN_KEY = "clusterfit-token";
 const POLL_MS = { jobs: 1500, job: 1000 };
-const LINE_COLOURS = { loss: "#1f6fd1", rate: "#e0521b" };
+const LINE_COLOURS = { loss: "#1f6fd1", rate: "#e0521b", valLoss: "#7a3db8", top1: "#15803d", top5: "#a3a3a3" };
 let timer = null;
 let logCursor = null;
 let logJob = null;
@@ -60,8 +60,9 @@ async function renderJobs() {
   $("jobs-empty").hidden = jobs.length > 0;
 }
 
-// A line chart on a <canvas>: axes with min/max labels, one polyline. Enough for loss and images/s.
-function drawChart(canvas, points, colour) {
+// A line chart on a <canvas>: axes with min/max labels, one polyline per series ({points, colour}), and an
+// optional dashed vertical line at `markStep` (the best validation). Enough for losses, accuracy and images/s.
+function drawChart(canvas, series, markStep = null) {
   const ctx = canvas.getContext("2d");
   const { width, height } = canvas;
   const pad = { left: 56, right: 12, top: 12, bottom: 28 };
@@ -77,12 +78,13 @@ function drawChart(canvas, points, colour) {
   ctx.stroke();
   ctx.fillStyle = "#555";
   ctx.font = "11px sans-serif";
-  if (points.length === 0) {
+  const all = series.flatMap((line) => line.points);
+  if (all.length === 0) {
     ctx.fillText("no data yet", pad.left + 10, pad.top + 16);
     return;
   }
-  const xs = points.map((p) => p[0]);
-  const ys = points.map((p) => p[1]);
+  const xs = all.map((p) => p[0]);
+  const ys = all.map((p) => p[1]);
   const [x0, x1] = [Math.min(...xs), Math.max(...xs)];
   let [y0, y1] = [Math.min(...ys), Math.max(...ys)];
   if (y0 === y1) [y0, y1] = [y0 - 1, y1 + 1];
@@ -92,13 +94,30 @@ function drawChart(canvas, points, colour) {
   ctx.fillText(y0.toPrecision(4), 4, height - pad.bottom);
   ctx.fillText(`step ${x0}`, pad.left, height - 8);
   ctx.fillText(`step ${x1}`, width - pad.right - 50, height - 8);
-  ctx.strokeStyle = colour;
-  ctx.fillStyle = colour;
-  ctx.lineWidth = 3;
-  ctx.beginPath();
-  points.forEach(([x, y], i) => (i ? ctx.lineTo(sx(x), sy(y)) : ctx.moveTo(sx(x), sy(y))));
-  ctx.stroke();
-  for (const [x, y] of points) ctx.fillRect(sx(x) - 3, sy(y) - 3, 6, 6);
+  if (markStep != null) {
+    ctx.strokeStyle = "#555";
+    ctx.lineWidth = 1;
+    ctx.setLineDash([4, 4]);
+    ctx.beginPath();
+    ctx.moveTo(sx(markStep), pad.top);
+    ctx.lineTo(sx(markStep), height - pad.bottom);
+    ctx.stroke();
+    ctx.setLineDash([]);
+  }
+  for (const { points, colour } of series) {
+    ctx.strokeStyle = colour;
+    ctx.fillStyle = colour;
+    ctx.lineWidth = 3;
+    ctx.beginPath();
+    points.forEach(([x, y], i) => (i ? ctx.lineTo(sx(x), sy(y)) : ctx.moveTo(sx(x), sy(y))));
+    ctx.stroke();
+    for (const [x, y] of points) ctx.fillRect(sx(x) - 3, sy(y) - 3, 6, 6);
+  }
+}
+
+// The validation with the best top-1 (the first of equals), or null before any.
+function bestValidation(validations) {
+  return validations.reduce((best, v) => (v.top1 != null && (best == null || v.top1 > best.top1) ? v : best), null);
 }
 
 async function renderJob(id) {
@@ -126,12 +145,33 @@ async function renderJob(id) {
   const charted = train.some((m) => m.loss != null) ? "loss" : Object.keys(job.metrics || {})[0] || "loss";
   $("loss-caption").textContent = charted === "loss" ? "training loss" : charted;
   const points = train.filter((m) => m[charted] != null).map((m) => [m.step, m[charted]]);
-  drawChart($("loss-chart"), points, LINE_COLOURS.loss);
+  const validations = metrics.filter((m) => m.kind === "val");
+  const best = bestValidation(validations);
+  const valLoss = charted === "loss" ? validations.filter((v) => v.loss != null).map((v) => [v.step, v.loss]) : [];
   drawChart(
-    $("rate-chart"),
-    train.filter((m) => m.images_per_s != null).map((m) => [m.step, m.images_per_s]),
-    LINE_COLOURS.rate,
+    $("loss-chart"),
+    [
+      { points, colour: LINE_COLOURS.loss },
+      { points: valLoss, colour: LINE_COLOURS.valLoss },
+    ],
+    best && best.step,
   );
+  if (valLoss.length) $("loss-caption").textContent = "training loss (blue), validation loss (purple)";
+  const rate = train.filter((m) => m.images_per_s != null).map((m) => [m.step, m.images_per_s]);
+  drawChart($("rate-chart"), [{ points: rate, colour: LINE_COLOURS.rate }]);
+  $("val-figure").hidden = validations.length === 0;
+  if (best) {
+    $("val-caption").textContent =
+      `validation top-1 (green), top-5 (grey); best top-1 ${fixed(best.top1, 4)} at epoch ${best.epoch} (dashed)`;
+    drawChart(
+      $("val-chart"),
+      [
+        { points: validations.map((v) => [v.step, v.top5]), colour: LINE_COLOURS.top5 },
+        { points: validations.map((v) => [v.step, v.top1]), colour: LINE_COLOURS.top1 },
+      ],
+      best.step,
+    );
+  }
 
   const body = $("ranks-table").tBodies[0];
   body.replaceChildren();
