@@ -69,6 +69,7 @@ def test_early_stopping_counts_validations_without_improvement() -> None:
         ({"augment": {"mixup_alpha": -1}}, ["mixup_alpha"]),
         ({"validate_every_epochs": 0}, ["validate_every_epochs"]),
         ({"ema": {"decay": 0.9}, "strategy": "fsdp"}, ["ema", "strategy ddp"]),
+        ({"export_weights": "best"}, ["export_weights: best", "data.val is null"]),
         ({"accumulate_steps": 2, "strategy": "pipeline"}, ["accumulate_steps = 2", "accumulate_steps: 1"]),
         ({"ema": {"decay": 1.0}}, ["ema.decay"]),
         ({"init": {"weights": "w", "freeze_backbone_epochs": 1}, "strategy": "pipeline"}, ["freeze_backbone_epochs"]),
@@ -241,3 +242,33 @@ def test_the_weight_average_resumes_exactly_and_is_what_is_exported(tmp_path: Pa
     average = {name.removeprefix("module."): t for name, t in last["ema"].items() if name.startswith("module.")}
     assert max_abs_difference(exported_weights(straight), average) < 1e-7
     assert max_abs_difference(exported_weights(straight), last["model"]) > 1e-4
+
+
+def test_the_best_validation_s_weights_are_exported(tmp_path: Path, tiny_imagefolder: Path) -> None:
+    """A learning rate too small to change a prediction: every epoch validates alike, so the first stays the best
+    (ties keep the earlier one) while the weights still move. The export is epoch 1's checkpoint, bit for bit."""
+    out = tmp_path / "out"
+    job = tiny_job(
+        out,
+        norm_layer="group",
+        epochs=3,
+        steps_per_epoch=2,
+        export_weights="best",
+        best_metric="val_top1",
+        optimizer={"lr": 1e-6},
+        checkpoint={"every_steps": None, "keep": 3},
+        data={"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "num_classes": None},
+    )
+    job["distribution"]["process_count_per_instance"] = 1
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len({e["val_top1"] for e in summary["epochs"]}) == 1 and summary["exported_epoch"] == 1
+    assert "exporting the weights of epoch 1, the best val_top1" in result.stdout
+
+    exported = exported_weights(out)
+    first, last = (torch.load(out / "checkpoints" / f"step-{s:08d}" / "state.pt")["model"] for s in (2, 6))
+    assert all(torch.equal(exported[k], first[k]) for k in first)
+    assert not all(torch.equal(exported[k], last[k]) for k in last)
+    card = json.loads((out / "model" / "model_card.json").read_text())
+    assert card["metrics"]["val_top1"] == summary["epochs"][0]["val_top1"]

@@ -16,6 +16,7 @@ CHECKPOINT_DIR = "checkpoints"
 MODEL_DIR = "model"
 SUMMARY_FILE = "summary.json"
 CONFUSION_PNG = "confusion_matrix.png"
+BEST_WEIGHTS = "best.safetensors"  # in the checkpoints folder, beside (and never rotated with) the step-N ones
 CODE_DIR = "code"
 LOCK_FILE = ".clusterfit-lock"
 
@@ -78,6 +79,10 @@ class JobOutputs:
     @property
     def model(self) -> Path:
         return self.root / MODEL_DIR
+
+    @property
+    def best_weights(self) -> Path:
+        return self.checkpoints / BEST_WEIGHTS
 
     @property
     def confusion_png(self) -> Path:

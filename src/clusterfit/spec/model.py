@@ -240,6 +240,10 @@ class TrainerSpec(_Strict):
     strategy: Literal["ddp", "fsdp", "pipeline", "localsgd"] = "ddp"
     strategy_options: StrategyOptions = DdpOptions()
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    export_weights: Literal["last", "best"] = Field(
+        "last", description="export the weights of the last step, or those of the best validation (best_metric)"
+    )
+    best_metric: ValMetric = Field("val_top1", description="what `export_weights: best` compares")
     init: InitSpec | None = Field(None, description="starting weights for fine-tuning; null = from scratch")
     ema: EmaSpec | None = Field(
         None, description="validate and export an exponential moving average of the weights; null = off"
@@ -302,6 +306,8 @@ class TrainerSpec(_Strict):
     @model_validator(mode="after")
     def _stopping_needs_validation(self) -> TrainerSpec:
         wants = "stop_at" if self.stop_at else "early_stopping" if self.early_stopping else None
+        if self.export_weights == "best":
+            wants = "export_weights: best"
         if wants and self.data.val is None:
             raise ValueError(f"{wants} decides on validation metrics, but data.val is null; give a validation folder")
         return self

@@ -30,6 +30,20 @@ class EarlyStop:
         return asdict(self)
 
 
+def is_new_best(history: Sequence[Mapping[str, Any]], metric: str, value: float) -> bool:
+    """Whether `value` beats every earlier validation's (strictly: the first of equals stays the best)."""
+    earlier = [record[metric] for record in history if metric in record]
+    return all(_better(metric, value, previous) for previous in earlier)
+
+
+def best_record(history: Sequence[Mapping[str, Any]], metric: str) -> Mapping[str, Any] | None:
+    best = None
+    for record in history:
+        if metric in record and (best is None or _better(metric, record[metric], best[metric])):
+            best = record
+    return best
+
+
 def _better(metric: str, value: float, than: float, by: float = 0.0) -> bool:
     return value < than - by if metric in LOWER_IS_BETTER else value > than + by
 

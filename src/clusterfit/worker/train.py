@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save
 from torch import nn
 
 from clusterfit import __version__
@@ -20,6 +21,7 @@ from clusterfit.data.batch_mix import batch_mix
 from clusterfit.data.folders import inspect_data
 from clusterfit.data.loaders import build_train_data, build_val_loader, normalize_on_device
 from clusterfit.data.quality import InputTally, describe
+from clusterfit.files import write_atomically
 from clusterfit.models import build_model
 from clusterfit.models.starting_weights import StartingWeights, backbone_parameters, load_starting_weights
 from clusterfit.monitoring.sinks import open_metric_sinks
@@ -39,7 +41,7 @@ from clusterfit.worker.optim import build_optimizer, build_schedule, match_kerne
 from clusterfit.worker.parallel import Accumulation, Strategy, parallelize
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
 from clusterfit.worker.stop_signal import StoppedForRequeue, StopSignal
-from clusterfit.worker.stopping import EarlyStop, early_stop
+from clusterfit.worker.stopping import EarlyStop, best_record, early_stop, is_new_best
 
 log = logging.getLogger("clusterfit.train")
 
@@ -367,6 +369,7 @@ class Trainer:
         )
         self.last_confusion = evaluation.confusion
         metrics = evaluation.metrics
+        self._keep_if_best(model, {f"val_{key}": value for key, value in metrics.items()})
         self.sinks.write({"kind": RecordKind.VAL, "step": self.progress.global_step, "epoch": epoch, **metrics})
         if self.env.is_main:
             log.info(
@@ -378,6 +381,18 @@ class Trainer:
                 metrics["images"],
             )
         return {f"val_{key}": value for key, value in metrics.items()}
+
+    def _keep_if_best(self, model: nn.Module, record: dict[str, Any]) -> None:
+        """With `export_weights: best`, write the validated weights when they beat every earlier validation;
+        the decision comes from the history, so a resumed job keeps the same file."""
+        metric = self.cfg.best_metric
+        if self.cfg.export_weights != "best" or not is_new_best(self.progress.history, metric, record[metric]):
+            return
+        if self.env.is_main:
+            state = {name: t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()}
+            epoch = str(self.progress.epoch + 1)
+            write_atomically(self.out.best_weights, save(state, metadata={"epoch": epoch, metric: str(record[metric])}))
+            log.info("best %s so far (%.4f): weights kept in %s", metric, record[metric], self.out.best_weights)
 
     def _restore(self) -> Path | None:
         self.store.clean_partial()
@@ -451,6 +466,10 @@ class Trainer:
         """A plain model rebuilt from the full state: the same files whatever the strategy."""
         cfg = self.cfg
         model = self.model_factory()
+        best = best_record(self.progress.history, cfg.best_metric) if cfg.export_weights == "best" else None
+        if best is not None:
+            model_state = load_file(str(self.out.best_weights))
+            log.info("exporting the weights of epoch %d, the best %s", best["epoch"], cfg.best_metric)
         model.load_state_dict(model_state)
         metadata = {
             "model": cfg.model,
@@ -463,7 +482,7 @@ class Trainer:
         }
         exported = export_model(model, self.out.model, metadata=metadata, image_size=cfg.data.image_size)
         validated = [e for e in self.progress.history if any(key.startswith("val_") for key in e)]
-        last_epoch = validated[-1] if validated else {}
+        last_epoch = best or (validated[-1] if validated else {})
         card = ModelCard(
             model=cfg.model,
             classes=list(self.facts.classes),
@@ -502,4 +521,5 @@ class Trainer:
             stopped_early=self.stopped_early.to_dict() if self.stopped_early else None,
             starting_weights=self.starting_weights.to_dict() if self.starting_weights else None,
             **confusion,
+            exported_epoch=int(best["epoch"]) if best else self.progress.epoch,
         )
