@@ -504,6 +504,70 @@ def data_stage(
 
 app.add_typer(bench_app, name="bench")
 
+sweep_app = typer.Typer(
+    help="Hyperparameter sweeps: trials of one job side by side in the queue, the losers stopped early.",
+    no_args_is_help=True,
+)
+app.add_typer(sweep_app, name="sweep")
+SweepName = Annotated[str, typer.Argument(metavar="NAME", help="The sweep's name (sweep.yaml's `name`).")]
+
+
+@sweep_app.command("run")
+def sweep_run(
+    sweep_file: Annotated[Path, typer.Argument(metavar="SWEEP.yaml", help="The sweep spec.")],
+    poll: Annotated[float, typer.Option(min=0.1, help="Seconds between looks at the running trials.")] = 2.0,
+    server: ServerOption = None,
+    token: TokenOption = None,
+) -> None:
+    """Run a sweep until its trial budget is spent: each trial is a job of the queue; running it again after an
+    interruption continues where it was. Needs the sweep extra (Optuna)."""
+    from clusterfit.sweep.driver import SweepDriver
+    from clusterfit.sweep.spec import load_sweep
+
+    try:
+        sweep, job_file = load_sweep(sweep_file)
+    except ClusterfitError as exc:
+        raise _fail(str(exc), 2) from None
+    with _jobs(server, token) as jobs:
+        SweepDriver(sweep, job_file, jobs, poll_s=poll, say=lambda line: console.print(line, markup=False)).run()
+        _print_sweep(sweep.name, jobs)
+
+
+@sweep_app.command("status")
+def sweep_status(name: SweepName, server: ServerOption = None, token: TokenOption = None) -> None:
+    """The sweep's trials, best first: parameters, state, metric, reports, wall time, job and outputs."""
+    with _jobs(server, token) as jobs:
+        _print_sweep(name, jobs)
+
+
+@sweep_app.command("cancel")
+def sweep_cancel(name: SweepName, server: ServerOption = None, token: TokenOption = None) -> None:
+    """Stop every running trial (a cancel of its job) and the sweep's driver."""
+    from clusterfit.sweep.driver import cancel_sweep
+
+    with _jobs(server, token) as jobs:
+        cancelled = cancel_sweep(_known_sweep(name), jobs)
+    console.print(f"sweep {name} cancelled; jobs stopped: {', '.join(cancelled) or 'none'}", markup=False)
+
+
+def _known_sweep(name: str) -> str:
+    from clusterfit.sweep.study import sweep_names
+
+    if name not in sweep_names():
+        raise _fail(f"no sweep named {name!r}; known: {', '.join(sweep_names()) or 'none'}", 2)
+    return name
+
+
+def _print_sweep(name: str, jobs: JobService) -> None:
+    from clusterfit.sweep.driver import sweep_rows
+    from clusterfit.sweep.render import sweep_table
+
+    rows, direction = sweep_rows(_known_sweep(name), jobs)
+    console.print(sweep_table(name, rows, direction))
+    best = next((row for row in rows if row["state"] == "COMPLETE"), None)
+    if best is not None:
+        console.print(f"best: trial {best['trial']} {best['params']} -> {best['outputs']}", markup=False)
+
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt

@@ -1,0 +1,69 @@
+"""Where sweeps keep their Optuna studies: `sweeps.db` in the service home, beside the job store.
+
+NOTE: not in the job store's own database: Optuna migrates its schema with Alembic under the default version
+table, which would collide with the job store's migrations."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from clusterfit.service.home import service_home
+
+if TYPE_CHECKING:
+    import optuna
+
+    from clusterfit.sweep.spec import SweepSpec
+
+
+def storage_url() -> str:
+    return f"sqlite:///{service_home() / 'sweeps.db'}"
+
+
+def _sampler(sweep: SweepSpec) -> optuna.samplers.BaseSampler:
+    import optuna
+
+    if sweep.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=sweep.seed)
+    if sweep.sampler == "grid":
+        grid = {field: list(dist.choice) for field, dist in sweep.search_space.items()}  # type: ignore[union-attr]
+        return optuna.samplers.GridSampler(grid, seed=sweep.seed)
+    return optuna.samplers.TPESampler(seed=sweep.seed)
+
+
+def _pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
+    import optuna
+
+    policy = sweep.early_stopping
+    if policy.policy == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=policy.min_trials, n_warmup_steps=policy.warmup_reports)
+    if policy.policy == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=max(1, policy.warmup_reports))
+    return optuna.pruners.NopPruner()
+
+
+def open_study(sweep: SweepSpec) -> optuna.Study:
+    """The sweep's study, created on first use and continued afterwards (same name, same storage)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(
+        study_name=sweep.name,
+        storage=storage_url(),
+        sampler=_sampler(sweep),
+        pruner=_pruner(sweep),
+        direction=sweep.objective.goal,
+        load_if_exists=True,
+    )
+
+
+def find_study(name: str) -> optuna.Study:
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.load_study(study_name=name, storage=storage_url())
+
+
+def sweep_names() -> list[str]:
+    import optuna
+
+    return optuna.get_all_study_names(storage=storage_url())

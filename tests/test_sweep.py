@@ -1,0 +1,130 @@
+"""Sweeps for real: trials are jobs of the local job service's queue, run side by side by their supervisors;
+Optuna chooses and prunes; the study outlives the driver."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, run_cli, tiny_job, wait_for, write_job
+
+from clusterfit.service.migrate import open_store
+from clusterfit.sweep.study import find_study
+
+
+def _write_sweep(tmp_path: Path, job: dict, **sweep: object) -> Path:
+    write_job(tmp_path / "job.yaml", job)
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump({"job": "job.yaml", "outputs_dir": str(tmp_path / "trials"), **sweep}))
+    return path
+
+
+def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imagefolder: Path) -> None:
+    data = {"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "num_classes": None}
+    job = tiny_job(tmp_path / "unused", epochs=2, steps_per_epoch=2, data=data)
+    job["distribution"]["process_count_per_instance"] = 1  # two trials fit this machine's 2 slots at once
+    sweep = _write_sweep(
+        tmp_path,
+        job,
+        name="lr",
+        search_space={"trainer.optimizer.lr": {"loguniform": [0.01, 1.0]}},
+        objective={"metric": "val_top1", "goal": "maximize"},
+        max_trials=3,
+        max_concurrent=2,
+        sampler="random",
+        early_stopping={"policy": "none"},
+    )
+    result = run_cli("sweep", "run", str(sweep), "--poll", "0.3")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count(": job ") == 3 and "best: trial" in result.stdout
+
+    study = find_study("lr")
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    assert all(t.intermediate_values.keys() == {1, 2} for t in study.trials)  # one report per validated epoch
+    store = open_store()
+    jobs = {t.number: store.get(t.user_attrs["job_id"]) for t in study.trials}
+    assert {job.name for job in jobs.values()} == {"lr-t000", "lr-t001", "lr-t002"}
+    assert all((Path(t.user_attrs["outputs_dir"]) / "summary.json").is_file() for t in study.trials)
+    # Side by side: the first two trials' jobs ran at the same time.
+    first, second = jobs[0], jobs[1]
+    assert first.started_at < second.ended_at and second.started_at < first.ended_at
+
+    status = run_cli("sweep", "status", "lr")
+    assert status.returncode == 0, status.stderr
+    values = [t.value for t in sorted(study.trials, key=lambda t: -t.value)]
+    table = status.stdout
+    positions = [table.index(f" {t.number} ") for t in sorted(study.trials, key=lambda t: -t.value)]
+    assert positions == sorted(positions), table  # best first
+    assert values[0] == study.best_value
+
+    # Run again: the budget is spent, nothing new is submitted.
+    again = run_cli("sweep", "run", str(sweep), "--poll", "0.3")
+    assert again.returncode == 0 and ": job " not in again.stdout
+    assert len(find_study("lr").trials) == 3
+
+
+def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
+    """A script reports (step + 1) x SCALE: the first trial (SCALE 1) sets the median, the second (sampled below
+    1) is worse at every step and is stopped after its first report past the warm-up."""
+    code = tmp_path / "code"
+    code.mkdir()
+    shutil.copy(REPO / "tests" / "scripts" / "sweep_trial.py", code)
+    job = {
+        "name": "scaled",
+        "command": "python sweep_trial.py",
+        "code": str(code),
+        "environment_variables": {"SCALE": "1"},
+        "distribution": {"type": "pytorch", "process_count_per_instance": 1},
+        "resources": {"instance_count": 1, "backend": "local"},
+        "outputs": {"dir": str(tmp_path / "unused")},
+    }
+    sweep = _write_sweep(
+        tmp_path,
+        job,
+        name="scaled",
+        search_space={"environment_variables.SCALE": {"uniform": [0.01, 0.9]}},
+        first_trials=[{"environment_variables.SCALE": 1.0}],
+        objective={"metric": "score", "goal": "maximize"},
+        max_trials=2,
+        max_concurrent=1,
+        sampler="random",
+        early_stopping={"policy": "median", "min_trials": 1, "warmup_reports": 1},
+    )
+    result = run_cli("sweep", "run", str(sweep), "--poll", "0.2")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first, second = find_study("scaled").trials
+    assert (first.state.name, first.value, first.params) == ("COMPLETE", 12.0, {"environment_variables.SCALE": 1.0})
+    assert second.state.name == "PRUNED" and "pruned at step" in result.stdout
+    assert len(second.intermediate_values) < 12  # stopped before its end
+    pruned_job = second.user_attrs["job_id"]
+    wait_for(lambda: open_store().get(pruned_job).state == "CANCELLED", 60, "the pruned trial's job to stop")
+    assert "PRUNED" in run_cli("sweep", "status", "scaled").stdout
+
+
+@pytest.mark.parametrize(
+    ("sweep", "words"),
+    [
+        ({"search_space": {"trainer.optimiser.lr": {"uniform": [0.1, 1]}}}, ["search_space.trainer.optimiser.lr"]),
+        ({"search_space": {"trainer.optimizer.lr": {"loguniform": [0, 1]}}}, ["loguniform", "> 0"]),
+        ({"search_space": {"trainer.optimizer.lr": {"uniform": [0.1, 1]}}, "sampler": "grid"}, ["grid", "choice"]),
+        ({"first_trials": [{"x": 1}]}, ["first_trials[0]"]),
+    ],
+)
+def test_a_bad_sweep_is_refused_in_one_line(tmp_path: Path, sweep: dict, words: list[str]) -> None:
+    job = tiny_job(tmp_path / "out")
+    path = _write_sweep(
+        tmp_path, job, name="bad", **{"search_space": {"trainer.optimizer.lr": {"uniform": [0.1, 1]}}, **sweep}
+    )
+    result = run_cli("sweep", "run", str(path))
+    assert result.returncode == 2
+    message = result.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    for word in words:
+        assert word in message, message
+
+
+def test_status_of_an_unknown_sweep_names_the_known_ones() -> None:
+    result = run_cli("sweep", "status", "nope")
+    assert result.returncode == 2 and "no sweep named 'nope'" in result.stderr
