@@ -51,6 +51,10 @@ def trial_budget(sweep: SweepSpec) -> int:
     return min(sweep.max_trials, points)
 
 
+def job_name(sweep: str, trial: int) -> str:
+    return f"{sweep}-t{trial:03d}"
+
+
 def reported_values(records: list[dict[str, Any]], metric: str) -> list[tuple[int, float]]:
     """(step, value) of the objective as the job recorded it: per epoch for the trainer's validation metrics,
     per report for a script's own."""
@@ -101,7 +105,7 @@ class SweepDriver:
 
         outputs = Path(self.sweep.outputs_dir) / f"trial-{trial.number:03d}"
         overrides = [override(field, value) for field, value in trial.params.items()]
-        overrides += [f"name={self.sweep.name}-t{trial.number:03d}", f"outputs.dir={outputs}"]
+        overrides += [f"name={job_name(self.sweep.name, trial.number)}", f"outputs.dir={outputs}"]
         trial.set_user_attr(OUTPUTS, str(outputs))
         try:
             job_id = self.jobs.submit(self.job_file, overrides)["id"]
@@ -114,12 +118,23 @@ class SweepDriver:
         self.say(f"trial {trial.number} {trial.params}: job {job_id}")
         return True
 
+    def _adopt(self, trial: optuna.Trial) -> str | None:
+        """The job of a trial whose driver was stopped between submitting it and recording its id."""
+        name = job_name(self.sweep.name, trial.number)
+        found = [row["id"] for row in self.jobs.list_jobs(None, 1000) if row["name"] == name]
+        if found:
+            trial.set_user_attr(JOB_ID, found[0])  # newest first
+            return found[0]
+        return None
+
     def _poll(self, study: optuna.Study, trial: optuna.Trial) -> bool:
         """Report the trial's new values and end it if its job ended or the pruner stops it; True once ended."""
         import optuna
 
         frozen = study._storage.get_trial(trial._trial_id)  # noqa: SLF001 - the live trial's stored values
-        job_id = frozen.user_attrs[JOB_ID]
+        job_id = frozen.user_attrs.get(JOB_ID) or self._adopt(trial)
+        if job_id is None:
+            return self._submit(study, trial) is False  # its driver stopped before submitting it
         state = JobState(self.jobs.status(job_id)["state"])
         values = reported_values(self.jobs.metrics(job_id), self.sweep.objective.metric)
         for step, value in values:

@@ -19,15 +19,15 @@ def storage_url() -> str:
     return f"sqlite:///{service_home() / 'sweeps.db'}"
 
 
-def _sampler(sweep: SweepSpec) -> optuna.samplers.BaseSampler:
+def _sampler(sweep: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:
     import optuna
 
     if sweep.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=sweep.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
     if sweep.sampler == "grid":
         grid = {field: list(dist.choice) for field, dist in sweep.search_space.items()}  # type: ignore[union-attr]
-        return optuna.samplers.GridSampler(grid, seed=sweep.seed)
-    return optuna.samplers.TPESampler(seed=sweep.seed)
+        return optuna.samplers.GridSampler(grid, seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
 
 
 def _pruner(sweep: SweepSpec) -> optuna.pruners.BasePruner:
@@ -46,10 +46,12 @@ def open_study(sweep: SweepSpec) -> optuna.Study:
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    asked = len(find_study(sweep.name).trials) if sweep.name in sweep_names() else 0
     return optuna.create_study(
         study_name=sweep.name,
         storage=storage_url(),
-        sampler=_sampler(sweep),
+        # A resumed driver must not replay the draws of the one before it: the seed moves on with the trials.
+        sampler=_sampler(sweep, sweep.seed + asked),
         pruner=_pruner(sweep),
         direction=sweep.objective.goal,
         load_if_exists=True,
