@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
+from PIL import Image
 
 from clusterfit.service.migrate import open_store
 from clusterfit.sweep.study import find_study
@@ -107,7 +108,10 @@ def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
     assert len(second.intermediate_values) < 12  # stopped before its end
     pruned_job = second.user_attrs["job_id"]
     wait_for(lambda: open_store().get(pruned_job).state == "CANCELLED", 60, "the pruned trial's job to stop")
-    assert "PRUNED" in run_cli("sweep", "status", "scaled").stdout
+    status = run_cli("sweep", "status", "scaled", "--plot", str(tmp_path / "curves.png"))
+    assert "PRUNED" in status.stdout and "plot: " in status.stdout
+    with Image.open(tmp_path / "curves.png") as png:
+        assert png.size[0] > 400
 
 
 @pytest.mark.parametrize(

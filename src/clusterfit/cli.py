@@ -534,10 +534,26 @@ def sweep_run(
 
 
 @sweep_app.command("status")
-def sweep_status(name: SweepName, server: ServerOption = None, token: TokenOption = None) -> None:
+def sweep_status(
+    name: SweepName,
+    plot: Annotated[
+        Optional[Path],  # noqa: UP045 - typer needs Optional here
+        typer.Option(help="Also draw every trial's metric against its step into this PNG (matplotlib)."),
+    ] = None,
+    server: ServerOption = None,
+    token: TokenOption = None,
+) -> None:
     """The sweep's trials, best first: parameters, state, metric, reports, wall time, job and outputs."""
     with _jobs(server, token) as jobs:
         _print_sweep(name, jobs)
+    if plot is not None:
+        from clusterfit.sweep.driver import sweep_curves
+        from clusterfit.sweep.render import plot_trials
+
+        try:
+            console.print(f"plot: {plot_trials(name, *sweep_curves(name), plot)}", markup=False)
+        except ClusterfitError as exc:
+            raise _fail(str(exc), 2) from None
 
 
 @sweep_app.command("cancel")

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 JOB_ID = "job_id"  # trial user attributes
 OUTPUTS = "outputs_dir"
 WHY = "why"
-CANCELLED = "cancelled"  # study user attribute: `sweep cancel` was asked
+CANCELLED = "cancelled"  # study user attributes: `sweep cancel` was asked
+METRIC = "metric"  # the objective's name
 
 
 def distributions(sweep: SweepSpec) -> dict[str, optuna.distributions.BaseDistribution]:
@@ -76,6 +77,7 @@ class SweepDriver:
         import optuna
 
         study = open_study(self.sweep)
+        study.set_user_attr(METRIC, self.sweep.objective.metric)
         if not study.trials:
             for params in self.sweep.first_trials:  # Optuna asks these before sampling
                 study.enqueue_trial(params)
@@ -158,6 +160,13 @@ class SweepDriver:
             study.tell(trial, state=optuna.trial.TrialState.FAIL)
             self.say(f"trial {trial.number}: job {job_id} ended {state.value}")
         return True
+
+
+def sweep_curves(name: str) -> tuple[str, dict[int, tuple[str, dict[int, float]]]]:
+    """The objective's name and each trial's (state, {step: value}) as reported, for the plot."""
+    study = find_study(name)
+    metric = study.user_attrs.get(METRIC, "metric")
+    return metric, {t.number: (t.state.name, dict(t.intermediate_values)) for t in study.trials}
 
 
 def sweep_rows(name: str, jobs: JobService) -> tuple[list[dict[str, Any]], str]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+
+from clusterfit.plots import pyplot
 
 
 def _number(value: float | None, digits: int = 4) -> str:
@@ -31,3 +34,21 @@ def sweep_table(name: str, rows: list[dict[str, Any]], direction: str) -> Table:
             row["job_state"] or (row["why"] or "-"),
         )
     return table
+
+
+def plot_trials(name: str, metric: str, curves: dict[int, tuple[str, dict[int, float]]], path: Path) -> Path:
+    """Every trial's reported metric against its step on one chart (a pruned trial's line simply ends)."""
+    plt = pyplot("clusterfit sweep status --plot", "sweep")
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for number, (state, values) in sorted(curves.items()):
+        steps = sorted(values)
+        axes.plot(steps, [values[s] for s in steps], marker="o", label=f"trial {number} ({state.lower()})")
+    axes.set_xlabel("epoch" if metric.startswith("val_") else "step")
+    axes.set_ylabel(metric)
+    axes.set_title(f"sweep {name}")
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
