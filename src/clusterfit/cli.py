@@ -447,6 +447,72 @@ def export(
     )
 
 
+@app.command("serve")
+def serve_model(
+    model_dir: Annotated[Path, typer.Argument(metavar="MODEL_DIR", help="A job's model/ folder (model card inside).")],
+    host: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 for every interface.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port; 0 picks a free one (printed).")] = 8000,
+    runtime: Annotated[str, typer.Option(help="auto (ONNX Runtime if model.onnx is there) | onnx | torch.")] = "auto",
+    max_batch: Annotated[
+        int, typer.Option(min=1, max=1024, help="Images the model runs at once; 1 = no batching.")
+    ] = 32,
+    max_wait_ms: Annotated[float, typer.Option(min=0, max=1000, help="Longest wait for a batch to fill.")] = 5.0,
+    top_k: Annotated[int, typer.Option(min=1, help="Classes returned per image.")] = 5,
+    key_file: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option(help="Keys clients must send (one per line); created with a new key if missing."),
+    ] = None,
+    no_auth: Annotated[bool, typer.Option("--no-auth", help="No keys (loopback addresses only).")] = False,
+    tls_cert: Annotated[Optional[Path], typer.Option("--tls-cert", help="PEM certificate: serve HTTPS.")] = None,  # noqa: UP045
+    tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="PEM private key of --tls-cert.")] = None,  # noqa: UP045
+    tls_terminated_elsewhere: Annotated[
+        bool, typer.Option("--tls-terminated-elsewhere", help="A proxy in front serves HTTPS.")
+    ] = False,
+    max_body_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body (413 above).")] = 16 << 20,
+) -> None:
+    """Serve an exported model over HTTP: POST /predict with an image's bytes (or a JSON batch) returns the top
+    classes; requests are batched dynamically. /health, /ready, /metadata (the model card), /stats."""
+    from clusterfit.outputs.layout import model_card_file
+    from clusterfit.service.api import bind, exposure_refusal
+
+    if not model_card_file(model_dir).is_file():
+        raise _fail(f"{model_dir}: no model_card.json; give a job's model/ folder (outputs.dir/model)")
+    if runtime not in ("auto", "onnx", "torch"):
+        raise _fail(f"--runtime {runtime!r}: choose auto, onnx or torch")
+    if (tls_cert is None) != (tls_key is None):
+        raise _fail("--tls-cert and --tls-key go together; give both for HTTPS, or neither")
+    if no_auth == (key_file is not None):
+        raise _fail("give --key-file (clients send one of its keys), or --no-auth on a loopback address")
+    refusal = exposure_refusal(host, auth=not no_auth, tls=tls_cert is not None, tls_elsewhere=tls_terminated_elsewhere)
+    if refusal:
+        raise _fail(refusal.replace("run jobs", "use the model"))
+    from clusterfit.scoring.serve import (
+        ServeSettings,
+        create_serving_app,
+        load_predictor,
+        read_or_create_keys,
+        run_endpoint,
+    )
+
+    say = partial(console.print, markup=False, highlight=False, soft_wrap=True)
+    try:
+        keys = read_or_create_keys(key_file, say) if key_file is not None else ()
+    except (OSError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
+        raise _fail(f"cannot listen on {host}:{port}: {exc.strerror}; choose another --port or --host") from None
+    settings = ServeSettings(
+        keys=keys, max_batch=max_batch, max_wait_ms=max_wait_ms, top_k=top_k, max_body_bytes=max_body_bytes
+    )
+    predictor = load_predictor(model_dir, runtime)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    say(f"model {model_dir} on {predictor.runtime}, batches of up to {max_batch} within {max_wait_ms:g} ms")
+    app = create_serving_app(model_dir, predictor, settings)
+    run_endpoint(app, sock, tls_cert=tls_cert, tls_key=tls_key, announce=say)
+
+
 data_app = typer.Typer(
     help="Prepare training data: pack folders into shards, stage from object storage.", no_args_is_help=True
 )

@@ -175,8 +175,10 @@ class BodyLimit:
     at the limit (the app then sees the client gone), so no more than the limit is ever read. Pure ASGI, so
     nothing buffers the body before it."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(
+        self, app: Any, max_bytes: int, hint: str = "a job spec is a few kB (server --max-body-bytes)"
+    ) -> None:
+        self.app, self.max_bytes, self.hint = app, max_bytes, hint
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -209,7 +211,7 @@ class BodyLimit:
         await self.app(scope, counted_receive, watched_send)
 
     async def _refuse(self, send: Callable) -> None:
-        detail = f"request body over {self.max_bytes} bytes; a job spec is a few kB (server --max-body-bytes)"
+        detail = f"request body over {self.max_bytes} bytes; {self.hint}"
         await _answer(send, 413, detail)
 
 
