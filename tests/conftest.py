@@ -128,6 +128,25 @@ def max_abs_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point())
 
 
+def exported_test_model(folder: Path, classes: list[str]) -> Path:
+    """An exported model as a job leaves it (weights with their metadata, TorchScript, a model card), without
+    training: resnet_tiny at 32 px with GroupNorm and seeded random weights."""
+    import torch
+
+    from clusterfit import __version__
+    from clusterfit.models import build_model
+    from clusterfit.outputs.model_card import ModelCard, Preprocessing, write_model_card
+    from clusterfit.worker.export import export_model
+
+    torch.manual_seed(0)
+    model = build_model("resnet_tiny", len(classes), "group", 32)
+    metadata = {"model": "resnet_tiny", "norm_layer": "group", "classes": classes, "image_size": 32}
+    export_model(model, folder, metadata=metadata, image_size=32)
+    card = ModelCard("resnet_tiny", classes, 32, Preprocessing.for_size(32), {}, "0" * 64, __version__, "test")
+    write_model_card(folder, card)
+    return folder
+
+
 def one_image_per_class(root: Path, count: int, size: tuple[int, int] = (60, 40)) -> Path:
     """`count` classes of one image each: a label then names its sample, so coverage can be checked."""
     import numpy as np

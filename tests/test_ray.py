@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from azurite import free_port
 from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 from raycluster import RayCluster
 from test_command_jobs import command_job, user_code
@@ -354,3 +355,76 @@ def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path, ray_cluster) ->
     )
     assert report["ratios"][0]["clusterfit_over_ray_train"] > 0
     assert "clusterfit ÷ Ray Train" in result.stdout and "| resnet_tiny | 2 | Ray Train |" in result.stdout
+
+
+def _replica_pids() -> list[int]:
+    """Ray titles an actor's process after its class: `ray::ServeReplica:<app>:<deployment>`."""
+    return [
+        process.pid
+        for process in psutil.process_iter(["cmdline"])
+        if any("ServeReplica:clusterfit:ModelReplica" in part for part in process.info["cmdline"] or [])
+    ]
+
+
+def test_ray_serve_replicas_answer_and_outlive_a_killed_one(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """The model as a Ray Serve app of 2 replicas on the two nodes: answers equal the model's; SIGKILL one
+    replica's process and requests keep being answered, by the other replica and then by its replacement."""
+    import httpx
+    import torch
+    from conftest import exported_test_model
+    from test_serve import CLASSES, _jpeg
+
+    from clusterfit.data.imagefolder import val_transform
+    from clusterfit.scoring import load_classifier
+
+    model = exported_test_model(tmp_path / "model", CLASSES)
+    port = free_port()
+    deployed = run_cli(
+        "serve",
+        str(model),
+        "--backend",
+        "ray",
+        "--replicas",
+        "2",
+        "--cpus-per-replica",
+        "0.25",
+        "--no-auth",
+        "--port",
+        str(port),
+        env=ray_cluster.client_env(),
+    )
+    assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+    try:
+        images = [_jpeg(300 + n, (40, 40)) for n in range(4)]
+        expected = load_classifier(model).predict(torch.stack([val_transform(32)(image) for image in images]))
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            for image, probabilities in zip(images, expected, strict=True):
+                answer = http.post("/predict", content=image, headers={"Content-Type": "image/jpeg"})
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["top_k"][0]["class"] == CLASSES[int(probabilities.argmax())]
+            refused = http.post("/predict", content=b"x", headers={"Content-Type": "text/plain"})
+            assert refused.status_code == 415 and "send image/jpeg" in refused.json()["detail"]
+
+            pids = _replica_pids()
+            assert len(pids) == 2
+            os.kill(pids[0], signal.SIGKILL)
+            failures, answered, started = [], 0, time.monotonic()
+            while time.monotonic() - started < 8:
+                try:
+                    ok = http.post("/predict", content=images[0], headers={"Content-Type": "image/jpeg"}).status_code
+                except httpx.HTTPError:
+                    ok = 0
+                if ok == 200:
+                    answered += 1
+                else:
+                    failures.append(time.monotonic() - started)
+                time.sleep(0.05)
+            window = (failures[-1] - failures[0]) if failures else 0.0
+            print(
+                f"after a replica was killed: {len(failures)} failed, {answered} answered; error window {window:.2f} s"
+            )
+            assert answered > 25 and window < 5, (failures, answered)
+            wait_for(lambda: len(_replica_pids()) == 2, 60, "Ray Serve to replace the killed replica")
+    finally:
+        stopped = run_cli("serve-stop", env=ray_cluster.client_env())
+        assert stopped.returncode == 0, stopped.stderr[-2000:]

@@ -18,15 +18,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import cli_command, run_cli
+from conftest import cli_command, exported_test_model, run_cli
 from PIL import Image
 
-from clusterfit import __version__
 from clusterfit.data.imagefolder import val_transform
-from clusterfit.models import build_model
-from clusterfit.outputs.model_card import ModelCard, Preprocessing, write_model_card
 from clusterfit.scoring import load_classifier
-from clusterfit.worker.export import export_model
 
 CLASSES = ["cat", "dog", "fox"]
 
@@ -40,24 +36,7 @@ def _jpeg(seed: int, size: tuple[int, int]) -> bytes:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An exported model as a job leaves it: weights with their metadata, TorchScript, a model card."""
-    folder = tmp_path_factory.mktemp("model")
-    torch.manual_seed(0)
-    model = build_model("resnet_tiny", len(CLASSES), "group", 32)
-    metadata = {"model": "resnet_tiny", "norm_layer": "group", "classes": CLASSES, "image_size": 32}
-    export_model(model, folder, metadata=metadata, image_size=32)
-    card = ModelCard(
-        model="resnet_tiny",
-        classes=CLASSES,
-        image_size=32,
-        preprocessing=Preprocessing.for_size(32),
-        metrics={},
-        spec_sha256="0" * 64,
-        clusterfit_version=__version__,
-        job="serve-test",
-    )
-    write_model_card(folder, card)
-    return folder
+    return exported_test_model(tmp_path_factory.mktemp("model"), CLASSES)
 
 
 @dataclass

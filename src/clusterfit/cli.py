@@ -469,9 +469,17 @@ def serve_model(
         bool, typer.Option("--tls-terminated-elsewhere", help="A proxy in front serves HTTPS.")
     ] = False,
     max_body_bytes: Annotated[int, typer.Option(min=1024, help="Largest request body (413 above).")] = 16 << 20,
+    backend: Annotated[
+        str, typer.Option(help="local (this process) | ray (a Ray Serve app on RAY_ADDRESS).")
+    ] = "local",
+    replicas: Annotated[int, typer.Option(min=1, help="--backend ray: copies of the model.")] = 2,
+    cpus_per_replica: Annotated[float, typer.Option(min=0, help="--backend ray: CPUs each replica reserves.")] = 1.0,
 ) -> None:
     """Serve an exported model over HTTP: POST /predict with an image's bytes (or a JSON batch) returns the top
-    classes; requests are batched dynamically. /health, /ready, /metadata (the model card), /stats."""
+    classes; requests are batched dynamically. /health, /ready, /metadata (the model card), /stats.
+
+    With --backend ray the model is deployed as a Ray Serve application of --replicas replicas on the cluster at
+    RAY_ADDRESS and the command returns; `clusterfit serve-stop` removes it."""
     from clusterfit.outputs.layout import model_card_file
     from clusterfit.service.api import bind, exposure_refusal
 
@@ -481,6 +489,10 @@ def serve_model(
         raise _fail(f"--runtime {runtime!r}: choose auto, onnx or torch")
     if (tls_cert is None) != (tls_key is None):
         raise _fail("--tls-cert and --tls-key go together; give both for HTTPS, or neither")
+    if backend not in ("local", "ray"):
+        raise _fail(f"--backend {backend!r}: choose local or ray")
+    if backend == "ray" and tls_cert is not None:
+        raise _fail("--backend ray serves through Ray Serve's proxy, which has no TLS; use a TLS proxy in front")
     if no_auth == (key_file is not None):
         raise _fail("give --key-file (clients send one of its keys), or --no-auth on a loopback address")
     refusal = exposure_refusal(host, auth=not no_auth, tls=tls_cert is not None, tls_elsewhere=tls_terminated_elsewhere)
@@ -499,18 +511,41 @@ def serve_model(
         keys = read_or_create_keys(key_file, say) if key_file is not None else ()
     except (OSError, ValueError) as exc:
         raise _fail(str(exc)) from None
+    settings = ServeSettings(
+        keys=keys, max_batch=max_batch, max_wait_ms=max_wait_ms, top_k=top_k, max_body_bytes=max_body_bytes
+    )
+    if backend == "ray":
+        from clusterfit.scoring.ray_serve import deploy
+
+        url = deploy(
+            model_dir,
+            settings,
+            runtime=runtime,
+            replicas=replicas,
+            cpus_per_replica=cpus_per_replica,
+            host=host,
+            port=port or 8000,
+        )
+        say(f"clusterfit serve on Ray Serve: {replicas} replica(s) at {url} (POST /predict); serve-stop removes it")
+        return
     try:
         sock = bind(host, port)
     except OSError as exc:
         raise _fail(f"cannot listen on {host}:{port}: {exc.strerror}; choose another --port or --host") from None
-    settings = ServeSettings(
-        keys=keys, max_batch=max_batch, max_wait_ms=max_wait_ms, top_k=top_k, max_body_bytes=max_body_bytes
-    )
     predictor = load_predictor(model_dir, runtime)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     say(f"model {model_dir} on {predictor.runtime}, batches of up to {max_batch} within {max_wait_ms:g} ms")
     app = create_serving_app(model_dir, predictor, settings)
     run_endpoint(app, sock, tls_cert=tls_cert, tls_key=tls_key, announce=say)
+
+
+@app.command("serve-stop")
+def serve_stop() -> None:
+    """Remove the model endpoint `clusterfit serve --backend ray` deployed on the Ray cluster at RAY_ADDRESS."""
+    from clusterfit.scoring.ray_serve import stop
+
+    stop()
+    console.print("the Ray Serve application is removed", markup=False)
 
 
 data_app = typer.Typer(

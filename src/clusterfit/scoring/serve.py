@@ -207,6 +207,17 @@ def preprocess(body: bytes, image_size: int, max_pixels: int) -> torch.Tensor:
         raise HTTPException(422, f"not a usable image: {exc}") from None
 
 
+def check_key(authorization: str | None, keys: tuple[str, ...]) -> bool:
+    """Whether the Authorization header carries one of `keys`; a 401 if it carries none at all."""
+    scheme, _, offered = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not offered.strip():
+        raise HTTPException(
+            401, "missing key: send Authorization: Bearer <key>", headers={"WWW-Authenticate": "Bearer"}
+        )
+    # Every key is compared, in constant time each, so the answer's timing says nothing about which was close.
+    return any([hmac.compare_digest(offered.strip().encode(), key.encode()) for key in keys])
+
+
 def _key_check(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
     settings: ServeSettings = request.app.state.settings
     if not settings.keys:
@@ -216,17 +227,29 @@ def _key_check(request: Request, authorization: Annotated[str | None, Header()] 
     wait_s = math.ceil(failures.wait_s(address))
     if wait_s:
         raise HTTPException(429, f"too many failed authentications from {address}; try again in {wait_s} s")
-    scheme, _, offered = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not offered.strip():
-        raise HTTPException(
-            401, "missing key: send Authorization: Bearer <key>", headers={"WWW-Authenticate": "Bearer"}
-        )
-    # Every key is compared, in constant time each, so the answer's timing says nothing about which was close.
-    matched = [hmac.compare_digest(offered.strip().encode(), key.encode()) for key in settings.keys]
-    if not any(matched):
+    if not check_key(authorization, settings.keys):
         failures.record(address)
         log.warning("failed authentication from %s on %s", address, request.url.path)
         raise HTTPException(401, "unknown key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def image_bodies(content_type: str, body: bytes) -> tuple[list[bytes], bool]:
+    """The images a /predict request carries, and whether it was one image (not a JSON batch)."""
+    kind = content_type.split(";")[0].strip().lower()
+    if kind in IMAGE_TYPES:
+        return [body], True
+    if kind == "application/json":
+        return _batch_bodies(body), False
+    raise HTTPException(
+        415,
+        f"Content-Type {kind or 'missing'!r}: send image/jpeg, image/png or image/webp bytes, or "
+        'application/json {"images": [base64, ...]}',
+    )
+
+
+def top_k_answer(probabilities: np.ndarray, classes: list[str], top_k: int) -> dict[str, Any]:
+    order = np.argsort(-probabilities)[:top_k]
+    return {"top_k": [{"class": classes[i], "probability": float(probabilities[i])} for i in order]}
 
 
 Keyed = Annotated[None, Depends(_key_check)]
@@ -267,10 +290,6 @@ def create_serving_app(model_dir: Path, predictor: Predictor, settings: ServeSet
     )
     app.add_middleware(SecurityHeaders)
 
-    def answer(probabilities: np.ndarray) -> dict[str, Any]:
-        order = np.argsort(-probabilities)[:top_k]
-        return {"top_k": [{"class": card.classes[i], "probability": float(probabilities[i])} for i in order]}
-
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -296,22 +315,11 @@ def create_serving_app(model_dir: Path, predictor: Predictor, settings: ServeSet
 
     @app.post("/predict")
     async def predict(request: Request, _: Keyed) -> dict[str, Any]:
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        body = await request.body()
-        if kind in IMAGE_TYPES:
-            bodies, single = [body], True
-        elif kind == "application/json":
-            bodies, single = _batch_bodies(body), False
-        else:
-            raise HTTPException(
-                415,
-                f"Content-Type {kind or 'missing'!r}: send image/jpeg, image/png or image/webp bytes, or "
-                'application/json {"images": [base64, ...]}',
-            )
+        bodies, single = image_bodies(request.headers.get("content-type", ""), await request.body())
         batcher.stats.requests += 1
         images = [await asyncio.to_thread(preprocess, one, card.image_size, settings.max_pixels) for one in bodies]
         rows = await asyncio.gather(*(batcher.score(image) for image in images))
-        results = [answer(row) for row in rows]
+        results = [top_k_answer(row, card.classes, top_k) for row in rows]
         return results[0] if single else {"results": results}
 
     return app
