@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from clusterfit.bench.machine import cpu_model
 from clusterfit.spec.errors import SpecError
 
+if TYPE_CHECKING:
+    import torch
+
 # Forward + backward of ResNet-50 on one 224x224 image: 3 x 4.1 GFLOP (multiply-adds counted as 2).
 RESNET50_TRAIN_GFLOP_224 = 24.5
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("fp32", "bf16", "fp16")  # names of torch.float32, torch.bfloat16, torch.float16
 
 
 @dataclass(frozen=True)
@@ -28,11 +30,10 @@ def resnet50_train_flop(image_size: int) -> float:
 
 
 def measure_matmul(dtype_name: str, size: int, repeats: int, device: torch.device) -> PeakResult:
-    if dtype_name not in _DTYPES:
-        raise SpecError(f"--dtypes: {dtype_name!r} is not one of {', '.join(_DTYPES)}")
-    if dtype_name == "fp16" and device.type != "cuda":
-        raise SpecError("--dtypes: fp16 matmul is only measured on a CUDA GPU; use fp32 or bf16 here")
-    dtype = _DTYPES[dtype_name]
+    import torch
+
+    check_dtype(dtype_name, device.type)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     torch.matmul(a, b)  # warm-up: kernel selection, AMX tile set-up
@@ -49,6 +50,8 @@ def measure_matmul(dtype_name: str, size: int, repeats: int, device: torch.devic
 
 
 def machine_description(device: torch.device) -> str:
+    import torch
+
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     return f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
@@ -75,10 +78,22 @@ class PeakReport:
         return "\n".join(lines)
 
 
+def check_dtype(dtype_name: str, device_type: str) -> None:
+    if dtype_name not in DTYPES:
+        raise SpecError(f"--dtypes: {dtype_name!r} is not one of {', '.join(DTYPES)}")
+    if dtype_name == "fp16" and device_type != "cuda":
+        raise SpecError("--dtypes: fp16 matmul is only measured on a CUDA GPU; use fp32 or bf16 here")
+
+
 def run_peak_bench(
     dtypes: list[str], size: int, repeats: int, images_per_s: float | None = None, image_size: int = 224
 ) -> PeakReport:
     """Every dtype's matmul rate on the GPU if there is one, else on all cores."""
+    for name in dtypes:  # a misspelt name is refused before torch is imported (seconds on a cold start)
+        if name not in DTYPES:
+            check_dtype(name, "")
+    import torch
+
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     results = [measure_matmul(name, size, repeats, device) for name in dtypes]
     return PeakReport(machine_description(device), results, images_per_s, image_size)

@@ -39,12 +39,12 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 import yaml
 
 from clusterfit.backends.torchrun import threads_per_worker
 from clusterfit.bench.machine import bench_precision, cpu_model
 from clusterfit.outputs import JobOutputs, RecordKind, read_records
+from clusterfit.plots import pyplot
 from clusterfit.spec.errors import SpecError
 from clusterfit.spec.model import MODEL_NAMES
 
@@ -274,6 +274,8 @@ def _eff(cell: Cell) -> str:
 
 
 def machine_facts() -> dict[str, object]:
+    import torch  # here, not at the top: the bench commands check their flags before torch's seconds of import
+
     cpu = cpu_model()
     return {
         "cpu": cpu,
@@ -382,7 +384,7 @@ def _run(what: str, command: list[str], env: dict[str, str] | None = None) -> st
 
 def run_train_bench(config: TrainBenchConfig, out_dir: Path) -> TrainBenchReport:
     """Every model x worker count, each cell's systems measured in alternating rounds."""
-    _matplotlib()  # before minutes of training, not after
+    pyplot("clusterfit bench train", "bench")  # before minutes of training, not after
     if config.ray:
         _require_ray()
     precision = bench_precision(config.precision)  # every system gets this concrete dtype
@@ -464,7 +466,7 @@ def _run_system(
 
 def plot(report: TrainBenchReport, path: Path) -> None:
     """Bars: images/s per model x workers, hand-written beside clusterfit; line: scaling efficiency (right axis)."""
-    plt = _matplotlib()
+    plt = pyplot("clusterfit bench train", "bench")
 
     c = report.config
     groups = [(m, n) for m in c.models for n in c.workers]
@@ -538,16 +540,3 @@ def plot(report: TrainBenchReport, path: Path) -> None:
 def _require_ray() -> None:
     if importlib.util.find_spec("ray") is None:
         raise SpecError("the Ray Train baseline needs ray[train]: pip install 'clusterfit[ray]', or pass --no-ray")
-
-
-def _matplotlib():  # noqa: ANN202 - the pyplot module
-    try:
-        import matplotlib
-    except ImportError:
-        raise SpecError(
-            "clusterfit bench train draws its chart with matplotlib: pip install 'clusterfit[bench]'"
-        ) from None
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    return plt
