@@ -156,6 +156,16 @@ def test_cancel_leaves_no_process_and_no_job(slurm: SlurmCluster, tmp_path: Path
     assert alive == {}, f"processes left behind: {alive}"
 
 
+def _signal_requeue_and_finish(slurm: SlurmCluster, launcher: subprocess.Popen) -> str:
+    """What Slurm does `checkpoint_signal_seconds` before the time limit (--signal=B:USR1@N) to the job's one
+    batch job; waits for the requeue and for the launcher to end, and returns its output."""
+    job_id = _job_ids(slurm)[0]
+    assert slurm.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
+    wait_for(lambda: "Restarts=1" in slurm.run("scontrol", "show", "job", job_id).stdout, 120, "the requeue")
+    output, _ = launcher.communicate(timeout=300)
+    return output
+
+
 def test_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Path) -> None:
     out = tmp_path / "out"
     job = _long_job(out)
@@ -163,14 +173,7 @@ def test_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: Sl
     launcher = _launch(write_job(tmp_path / "job.yaml", job), tmp_path)
     try:
         _wait_for_step(out, launcher)
-        job_id = _job_ids(slurm)[0]
-        # What Slurm does `checkpoint_signal_seconds` before the time limit (--signal=B:USR1@N).
-        assert slurm.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
-        deadline = time.monotonic() + 120
-        while "Restarts=1" not in slurm.run("scontrol", "show", "job", job_id).stdout:
-            assert time.monotonic() < deadline, "the job was not requeued"
-            time.sleep(0.5)
-        output, _ = launcher.communicate(timeout=300)
+        output = _signal_requeue_and_finish(slurm, launcher)
     finally:
         if launcher.poll() is None:
             launcher.kill()
@@ -194,13 +197,7 @@ def test_a_session_script_stops_on_the_time_limit_signal_checkpoints_and_resumes
     launcher = _launch(spec, tmp_path)
     try:
         wait_for(lambda: any(beat.step >= 2 for beat in read_heartbeats(JobOutputs.at(out)).values()), 240, "step 2")
-        job_id = _job_ids(slurm)[0]
-        assert slurm.run("scancel", "--batch", "--signal=USR1", job_id).returncode == 0
-        deadline = time.monotonic() + 120
-        while "Restarts=1" not in slurm.run("scontrol", "show", "job", job_id).stdout:
-            assert time.monotonic() < deadline, "the job was not requeued"
-            time.sleep(0.5)
-        output, _ = launcher.communicate(timeout=300)
+        output = _signal_requeue_and_finish(slurm, launcher)
     finally:
         if launcher.poll() is None:
             launcher.kill()

@@ -113,9 +113,12 @@ class TrainTransform:
     only on that generator, as the crop's do (exact resume)."""
 
     def __init__(self, crop: TrainCrop, policy: str = "none", random_erasing: float = 0.0) -> None:
+        self.crop = crop
+        self.tensor_steps = None
+        if policy == "none" and not random_erasing:
+            return  # transforms.v2 is not even imported: each DataLoader worker would pay for it
         from torchvision.transforms import v2
 
-        self.crop = crop
         steps = []
         if policy == "randaugment":
             steps.append(v2.RandAugment())
@@ -125,7 +128,7 @@ class TrainTransform:
             steps.append(v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET))
         if random_erasing:
             steps.append(v2.RandomErasing(p=random_erasing, value=0))
-        self.tensor_steps = v2.Compose(steps) if steps else None
+        self.tensor_steps = v2.Compose(steps)
 
     def __call__(self, source: str | bytes | BinaryIO, generator: torch.Generator | None = None) -> torch.Tensor:
         pixels = self.crop(source, generator)

@@ -76,15 +76,19 @@ def check_modelled(strategy: str, compression: str) -> None:
 def gpu_hardware(device: str, precision: str, nodes: int, per_node: int, network: str, nics: int) -> Hardware:
     if device not in DEVICES:
         raise SpecError(f"--device {device}: unknown; choose one of {', '.join([*DEVICES, 'cpu'])}")
-    if network not in NETWORKS:
-        raise SpecError(f"--interconnect {network}: unknown; choose one of {', '.join(NETWORKS)}")
     return Hardware(
         device=DEVICES[device],
         precision=device_precision(precision),
         nodes=nodes,
         devices_per_node=per_node,
-        network=with_nics(NETWORKS[network], nics),
+        network=network_link(network, nics),
     )
+
+
+def network_link(network: str, nics: int) -> Link:
+    if network not in NETWORKS:
+        raise SpecError(f"--interconnect {network}: unknown; choose one of {', '.join(NETWORKS)}")
+    return with_nics(NETWORKS[network], nics)
 
 
 def cpu_device(peak_flop_per_s: float, precision: str, what: str) -> Device:
@@ -208,8 +212,9 @@ def _cpu_hardware(precision: str, nodes: int, per_node: int, interconnect: str, 
     from clusterfit.bench.machine import bench_precision, cpu_model
     from clusterfit.bench.peak import measure_matmul
 
+    link = network_link(interconnect, nics)  # a misspelt network is refused before a second of measuring
     resolved = bench_precision(precision)
     peak = measure_matmul(resolved, 1024, 5, torch.device("cpu")).tflops * 1e12
-    gpu_like = gpu_hardware("v100", precision, nodes, per_node, interconnect, nics)  # checks the network name
-    device = cpu_device(peak / per_node, gpu_like.precision, f"{cpu_model()} ({resolved}), 1/{per_node} of its cores")
-    return replace(gpu_like, device=device)
+    table_precision = device_precision(precision)
+    device = cpu_device(peak / per_node, table_precision, f"{cpu_model()} ({resolved}), 1/{per_node} of its cores")
+    return Hardware(device=device, precision=table_precision, nodes=nodes, devices_per_node=per_node, network=link)
