@@ -15,6 +15,7 @@ from clusterfit.data.decode import BadImage
 from clusterfit.data.folders import IMG_EXTENSIONS
 from clusterfit.data.quality import BadInputError, BadRead
 from clusterfit.data.transforms import CenterCrop, TrainCrop, TrainTransform
+from clusterfit.outputs.model_card import VAL_CROP_FRACTION
 from clusterfit.spec.model import ResolvedAugment
 
 # How many other samples a training item tries before giving up; enough for any dataset whose bad share is
@@ -100,8 +101,9 @@ def train_transform(image_size: int, augment: ResolvedAugment | None = None) -> 
     return TrainTransform(crop, augment.policy, augment.random_erasing)
 
 
-def val_transform(image_size: int) -> CenterCrop:
-    return CenterCrop(image_size)
+def val_transform(image_size: int, crop_fraction: float = VAL_CROP_FRACTION) -> CenterCrop:
+    """The validation transform; scoring builds it from the model card's preprocessing (the same numbers)."""
+    return CenterCrop(image_size, crop_fraction)
 
 
 def list_samples(root: str, classes: list[str]) -> list[tuple[str, int]]:

@@ -172,17 +172,28 @@ class ShardTrainData:
         return self.loader.take_reads()
 
 
+Triple = tuple[float, float, float]
+
+
 @functools.cache
-def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _mean_std(device: torch.device, mean: Triple, std: Triple) -> tuple[torch.Tensor, torch.Tensor]:
     # NOTE: made once per device. Building them every step copies from pageable host memory, which on CUDA
     # waits for all queued GPU work and so stalls the training loop once per step.
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255
-    return mean, std
+    return (
+        torch.tensor(mean, device=device).view(1, 3, 1, 1) * 255,
+        torch.tensor(std, device=device).view(1, 3, 1, 1) * 255,
+    )
 
 
-def normalize_on_device(images: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
-    """uint8 NCHW on the host -> normalised float on the device; the copy moves 4x fewer bytes than float."""
-    mean, std = _mean_std(device)
+def normalize_on_device(
+    images: torch.Tensor,
+    device: torch.device,
+    channels_last: bool,
+    mean: Triple = IMAGENET_MEAN,
+    std: Triple = IMAGENET_STD,
+) -> torch.Tensor:
+    """uint8 NCHW on the host -> normalised float on the device; the copy moves 4x fewer bytes than float.
+    `mean`/`std` per channel on the [0, 1] scale (scoring passes its model card's)."""
+    mean, std = _mean_std(device, tuple(mean), tuple(std))
     out = (images.to(device, non_blocking=True).float() - mean) / std
     return out.contiguous(memory_format=torch.channels_last) if channels_last else out

@@ -76,16 +76,16 @@ def random_resized_box(
 
 
 class CenterCrop:
-    """Resize(size / 0.875) + CenterCrop(size) as one crop-and-resize."""
+    """Resize(size / crop_fraction) + CenterCrop(size) as one crop-and-resize (0.875: ImageNet's)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, size: int, crop_fraction: float = VAL_CROP_FRACTION) -> None:
+        self.size, self.crop_fraction = size, crop_fraction
 
     def __call__(self, source: str | bytes | BinaryIO, generator: torch.Generator | None = None) -> torch.Tensor:
         img = open_image(source)
         try:
             width, height = img.size
-            side = min(width, height) * VAL_CROP_FRACTION
+            side = min(width, height) * self.crop_fraction
             left, top = (width - side) / 2, (height - side) / 2
             out = _resized_crop(img, (left, top, left + side, top + side), self.size)
         finally:

@@ -25,13 +25,14 @@ class Preprocessing:
     """The validation transform: decode to RGB, resize the shorter side, centre-crop, scale to [0, 1],
     normalise per channel; the network takes NCHW float32."""
 
-    resize_shorter_side: int
+    resize_shorter_side: int  # rounded, for other tools; the crop itself is `crop_fraction` of the shorter side
     center_crop: int
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     channel_order: str = "RGB"
     layout: str = "NCHW"
     scale: float = 1 / 255
+    crop_fraction: float = VAL_CROP_FRACTION  # the centre square's side over the shorter side, then resized
 
     @classmethod
     def for_size(cls, image_size: int) -> Preprocessing:
