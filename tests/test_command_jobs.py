@@ -43,10 +43,10 @@ def rank_logs(out_dir: Path) -> str:
 
 def test_a_job_is_a_trainer_or_a_command_never_both_or_neither(tmp_path: Path) -> None:
     both = {**tiny_job(tmp_path), "command": "python x.py"}
-    with pytest.raises(SpecError, match="either trainer: .* or command: .*not both"):
+    with pytest.raises(SpecError, match="one of trainer: .*, command: .* or scorer: .*not trainer and command"):
         validate_spec(both)
     neither = {key: value for key, value in tiny_job(tmp_path).items() if key != "trainer"}
-    with pytest.raises(SpecError, match="has neither"):
+    with pytest.raises(SpecError, match="has none"):
         validate_spec(neither)
     mpi_trainer = tiny_job(tmp_path)
     mpi_trainer["distribution"]["type"] = "mpi"

@@ -5,11 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from clusterfit.backends.local import local_gpu_count
-from clusterfit.data.folders import inspect_data, steps_per_epoch
+from clusterfit.data.folders import inspect_data, list_score_inputs, steps_per_epoch
 from clusterfit.errors import DataError, SpecError
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import published, read_manifest
-from clusterfit.spec.model import JobSpec
+from clusterfit.outputs.layout import WEIGHTS_FILE, model_card_file
+from clusterfit.outputs.model_card import read_model_card
+from clusterfit.outputs.predictions import ScorePlan, check_plan, require_pyarrow
+from clusterfit.spec.model import JobSpec, is_url
 
 
 def preflight(spec: JobSpec) -> None:
@@ -18,6 +21,9 @@ def preflight(spec: JobSpec) -> None:
     _check_devices(spec)
     if spec.resources.backend == "kubernetes":
         return  # paths name places inside the pods (image, mounted claims), not on this machine
+    if spec.scorer is not None:
+        _check_scoring_job(spec)
+        return
     if spec.trainer is None:
         _check_command_job(spec)
         return
@@ -67,3 +73,21 @@ def _check_devices(spec: JobSpec) -> None:
 def _check_command_job(spec: JobSpec) -> None:
     if spec.code is not None and not Path(spec.code).is_dir():
         raise SpecError(f"code = {spec.code!r}: no such folder; give the folder holding your script (or remove code)")
+
+
+def _check_scoring_job(spec: JobSpec) -> None:
+    """The model folder has its card, the input has images, and the outputs hold no other run's predictions."""
+    scorer = spec.scorer
+    assert scorer is not None
+    require_pyarrow()
+    if not model_card_file(scorer.model_dir).is_file():
+        raise SpecError(
+            f"scorer.model_dir = {scorer.model_dir!r}: no model_card.json there; pass the model/ folder of a "
+            "finished training job"
+        )
+    if is_url(scorer.input):
+        return  # listed by the workers, once staged
+    card = read_model_card(Path(scorer.model_dir))
+    inputs = list_score_inputs(scorer.input, "scorer.input")
+    plan = ScorePlan(inputs.files, inputs.labels, scorer.chunk_images)
+    check_plan(JobOutputs.at(spec.outputs.dir), plan.record(card.files.get(WEIGHTS_FILE, "")), write=False)

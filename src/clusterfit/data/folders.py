@@ -59,6 +59,47 @@ def inspect_folder(root: str, field: str) -> FolderInfo:
     return FolderInfo(classes=classes, image_count=count)
 
 
+@dataclass(frozen=True)
+class ScoreInputs:
+    files: list[str]  # sorted, relative to the folder, with / between parts
+    labels: list[str] | None  # each file's class folder when the folder is ImageNet-layout, else None
+
+
+def list_score_inputs(root: str, field: str) -> ScoreInputs:
+    """The images to score: an ImageNet-layout folder (labels from the class folders) or a flat folder of images.
+    A missing or empty folder is a one-line DataError naming `field`."""
+    path = Path(root)
+    if not path.is_dir():
+        what = "is a file" if path.exists() else "no such folder"
+        raise DataError(
+            f"{field} = {root!r}: {what}; give a folder of images, or of class folders (<class>/<image>.jpg)",
+            retryable=False,
+        )
+    flat = sorted(f.name for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMG_EXTENSIONS)
+    classes = sorted(e.name for e in path.iterdir() if e.is_dir() and not e.name.startswith("."))
+    nested = [
+        (f"{cls}/{f.name}", cls)
+        for cls in classes
+        for f in sorted((path / cls).iterdir())
+        if f.is_file() and f.suffix.lower() in IMG_EXTENSIONS
+    ]
+    if flat and nested:
+        raise DataError(
+            f"{field} = {root!r}: holds both images and class folders of images; score one layout at a time "
+            "(move the loose images into a folder of their own)",
+            retryable=False,
+        )
+    if nested:
+        return ScoreInputs([file for file, _ in nested], [label for _, label in nested])
+    if flat:
+        return ScoreInputs(flat, None)
+    raise DataError(
+        f"{field} = {root!r}: holds no images ({', '.join(IMG_EXTENSIONS)}), directly or in class folders; "
+        "give a folder of images",
+        retryable=False,
+    )
+
+
 def inspect_data(data: DataSpec, storage: StorageSpec | None = None) -> DataFacts:
     """Check the spec's data against the file system (or, for URLs, the storage service's listing); raises
     DataError for data that is missing or unusable, SpecError where the spec says something the data denies."""

@@ -361,7 +361,17 @@ def credentials(storage: StorageSpec) -> Credentials:
 
 def stage_inputs(spec: JobSpec, run_token: str, log: Callable[[str], None] = print) -> JobSpec:
     """The spec with every URL in trainer.data replaced by its staged local copy (mode: download); with
-    mode: direct the URLs stay, and the shards are streamed while training."""
+    mode: direct the URLs stay, and the shards are streamed while training. A scoring job's input at a URL is
+    staged the same way."""
+    if spec.scorer is not None:
+        scorer = spec.scorer
+        if not is_url(scorer.input):
+            return spec
+        report = stage(
+            scorer.input, scorer.cache_dir, credentials(spec.storage), workers=scorer.stage_workers, run_token=run_token
+        )
+        log(describe(report))
+        return spec.model_copy(update={"scorer": scorer.model_copy(update={"input": str(report.local)})})
     data = spec.trainer.data
     if data.mode == "direct":
         return spec

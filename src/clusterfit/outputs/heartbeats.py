@@ -20,6 +20,7 @@ class Phase(str, enum.Enum):
     TRAINING = "training"
     VALIDATING = "validating"
     EXPORTING = "exporting"
+    SCORING = "scoring"  # a scoring job's ranks (clusterfit score)
     DONE = "done"
 
 

@@ -19,6 +19,9 @@ CONFUSION_PNG = "confusion_matrix.png"
 BEST_WEIGHTS = "best.safetensors"  # in the checkpoints folder, beside (and never rotated with) the step-N ones
 CODE_DIR = "code"
 LOCK_FILE = ".clusterfit-lock"
+PREDICTIONS_FILE = "predictions.parquet"  # a scoring job's result, one row per image, ordered by file
+PREDICTIONS_CSV = "predictions.csv"
+PREDICTION_PARTS_DIR = "predictions"  # its per-rank chunk files, each published by one rename
 
 WEIGHTS_FILE = "model.safetensors"
 TORCHSCRIPT_FILE = "model.torchscript.pt"
@@ -99,6 +102,18 @@ class JobOutputs:
     @property
     def lock(self) -> Path:
         return self.root / LOCK_FILE
+
+    @property
+    def predictions(self) -> Path:
+        return self.root / PREDICTIONS_FILE
+
+    @property
+    def predictions_csv(self) -> Path:
+        return self.root / PREDICTIONS_CSV
+
+    @property
+    def prediction_parts(self) -> Path:
+        return self.root / PREDICTION_PARTS_DIR
 
 
 def rank_log_name(rank: int) -> str:

@@ -433,11 +433,27 @@ class QueueSettingsSpec(_Strict):
     priority: int = Field(0, ge=-1000, le=1000, description="queued jobs with a higher priority start first")
 
 
+class ScorerSpec(_Strict):
+    """Batch scoring with an exported model: every image of `input` scored once, across every rank."""
+
+    model_dir: str = Field(description="an exported model folder (a job's model/, with model_card.json)")
+    input: str = Field(description="images to score: an ImageNet-layout folder, a flat folder, or a URL of either")
+    top_k: int = Field(5, ge=1, description="classes kept per image, at most the model's class count")
+    batch_size: int = Field(64, ge=1, description="images per forward pass")
+    chunk_images: int = Field(
+        1024, ge=1, description="images per published part file: a rerun after a crash redoes at most one per rank"
+    )
+    csv: bool = Field(False, description="also write predictions.csv")
+    cache_dir: str = Field("~/.cache/clusterfit/data", description="node-local folder for a staged URL input")
+    stage_workers: int = Field(8, ge=1, le=64, description="parallel transfers when staging")
+
+
 class JobSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     description: str | None = None
     trainer: TrainerSpec | None = None
     command: str | None = Field(None, min_length=1, description="a user program instead of the built-in trainer")
+    scorer: ScorerSpec | None = Field(None, description="batch scoring with an exported model (clusterfit score)")
     code: str | None = Field(None, description="a command job's folder, copied to outputs.dir/code; its cwd")
     distribution: DistributionSpec = DistributionSpec()
     resources: ResourcesSpec = ResourcesSpec()
@@ -461,16 +477,18 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _trainer_or_command(self) -> JobSpec:
-        if (self.trainer is None) == (self.command is None):
+        given = [name for name in ("trainer", "command", "scorer") if getattr(self, name) is not None]
+        if len(given) != 1:
             raise ValueError(
-                "a job has either trainer: (the built-in trainer) or command: (your own program), "
-                + ("not both; remove one" if self.trainer else "and this one has neither; add one")
+                "a job has one of trainer: (the built-in trainer), command: (your own program) or scorer: "
+                "(batch scoring), "
+                + (f"not {' and '.join(given)}; keep one" if given else "and this one has none; add one")
             )
-        if self.trainer is not None and self.code is not None:
-            raise ValueError("code is only for command jobs; remove it, or replace trainer: with command:")
-        if self.trainer is not None and self.distribution.type != "pytorch":
+        if self.command is None and self.code is not None:
+            raise ValueError(f"code is only for command jobs; remove it, or replace {given[0]}: with command:")
+        if self.command is None and self.distribution.type != "pytorch":
             raise ValueError(
-                f"distribution.type = {self.distribution.type!r}: the built-in trainer runs as pytorch; "
+                f"distribution.type = {self.distribution.type!r}: the built-in {given[0]} runs as pytorch; "
                 "set distribution.type: pytorch"
             )
         return self
