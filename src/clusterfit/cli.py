@@ -95,6 +95,11 @@ def run(
         console.print(f"# {rendered.backend} backend command", markup=False)
         console.print(rendered.as_text(), markup=False, soft_wrap=True)
         return
+    _run_in_foreground(spec)
+
+
+def _run_in_foreground(spec: JobSpec) -> None:
+    """Record the job, supervise it here with a live view, print its result; `run` and `score` both end here."""
     from clusterfit.monitoring.progress import LiveView
     from clusterfit.service.local_jobs import local_user
     from clusterfit.service.records import record_job
@@ -137,6 +142,9 @@ def run(
 def _print_result(spec: JobSpec, out: JobOutputs) -> None:
     from clusterfit.outputs import finished_this_run
 
+    if spec.scorer is not None:
+        _print_scoring_summary(out)
+        return
     if spec.trainer is None or spec.resources.backend == "kubernetes":  # no summary, or it is in the claim
         console.print(f"job {spec.name} finished; every rank's log is in {out.logs}", markup=False)
         return
@@ -548,6 +556,43 @@ def serve_stop() -> None:
     console.print("the Ray Serve application is removed", markup=False)
 
 
+@app.command()
+def score(
+    model_dir: Annotated[Path, typer.Argument(metavar="MODEL_DIR", help="An exported model folder (a job's model/).")],
+    input_path: Annotated[
+        str, typer.Argument(metavar="INPUT", help="Images: a folder of class folders, a flat folder, or a URL.")
+    ],
+    out: Annotated[Path, typer.Option("--out", help="The job's outputs folder (predictions.parquet, summary.json).")],
+    nproc: Annotated[int, typer.Option("--nproc", help="Ranks on this machine; each image is scored by one.")] = 1,
+    top_k: Annotated[int, typer.Option("--top-k", help="Classes per image (capped at the model's classes).")] = 5,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per forward pass.")] = 64,
+    chunk_images: Annotated[
+        int, typer.Option("--chunk-images", min=1, help="Images per part file; a rerun redoes at most one per rank.")
+    ] = 1024,
+    csv: Annotated[bool, typer.Option("--csv", help="Also write predictions.csv.")] = False,
+) -> None:
+    """Score every image in INPUT with MODEL_DIR's model on --nproc ranks: top-k classes and probabilities per
+    image in OUT/predictions.parquet. Killed and run again, it scores only what is not done yet (needs pyarrow)."""
+    from clusterfit.service.local_jobs import checked_spec
+    from clusterfit.spec.scoring import scoring_spec
+
+    def load() -> JobSpec:
+        return scoring_spec(
+            str(model_dir),
+            input_path,
+            str(out),
+            nproc=nproc,
+            top_k=top_k,
+            batch_size=batch_size,
+            chunk_images=chunk_images,
+            csv=csv,
+        )
+
+    with _one_line_errors():
+        spec = checked_spec(load)
+    _run_in_foreground(spec)
+
+
 data_app = typer.Typer(
     help="Prepare training data: pack folders into shards, stage from object storage.", no_args_is_help=True
 )
@@ -716,6 +761,18 @@ def _print_summary(out: JobOutputs) -> None:
         console.print(f"skipped {inputs['skipped_files']} unreadable input files ({reasons}): {worst}", markup=False)
     console.print(f"model: {', '.join(summary['exported'])}")
     console.print(f"summary: {out.summary}  metrics: {out.metrics}  tensorboard: {out.tensorboard}")
+
+
+def _print_scoring_summary(out: JobOutputs) -> None:
+    from clusterfit.outputs import read_summary
+    from clusterfit.outputs.summary import scoring_line
+
+    summary = read_summary(out)
+    assert summary is not None, "written by rank 0 before the job succeeded"
+    console.print(scoring_line(summary), markup=False, soft_wrap=True)
+    for entry in summary["inputs"]["files"][:3]:
+        errors.print(f"skipped {entry['file']}: {entry['reason']}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"predictions: {', '.join(summary['exported'])}  summary: {out.summary}", markup=False)
 
 
 def main() -> None:

@@ -10,6 +10,17 @@ from clusterfit import __version__
 from clusterfit.files import write_atomically
 from clusterfit.outputs.layout import JobOutputs
 
+SCORING = "scoring"  # a scoring job's summary says `"kind": "scoring"` (images scored, skipped, images/s)
+
+
+def scoring_line(summary: dict[str, Any]) -> str:
+    """A scoring job's summary in one line, for `run`/`score` and `show`."""
+    return (
+        f"scored {summary['images_scored']} of {summary['images']} images on {summary['world_size']} rank(s), "
+        f"{summary['images_per_s']:.1f} images/s this run ({summary['images_this_run']} images); "
+        f"skipped {summary['bad_images_skipped']} unreadable"
+    )
+
 
 def write_summary(
     outputs: JobOutputs,

@@ -10,6 +10,7 @@ import yaml
 from rich.table import Table
 
 from clusterfit.outputs import metrics_text
+from clusterfit.outputs.summary import SCORING, scoring_line
 from clusterfit.service.views import age
 
 _STATE_STYLE = {
@@ -88,6 +89,12 @@ def history_lines(status: dict[str, Any]) -> list[str]:
     return [f"  {event['at'][:19]}  {event['state']:<9}  {event['message']}" for event in status["history"]]
 
 
+def _summary_line(summary: dict[str, Any]) -> str:
+    if summary.get("kind") == SCORING:
+        return f"summary: {scoring_line(summary)}; {', '.join(summary['exported'])}"
+    return f"summary: {json.dumps(summary.get('epochs', []))}"
+
+
 def details_lines(details: dict[str, Any]) -> list[str]:
     """Plain lines: what `clusterfit show` prints."""
     return [
@@ -98,7 +105,7 @@ def details_lines(details: dict[str, Any]) -> list[str]:
         *(f"  model: {path}" for path in details["model_files"]),
         *(f"  checkpoint: {path}" for path in details["checkpoints"]),
         f"  metrics: {details['metrics_file']}  tensorboard: {details['tensorboard_dir']}",
-        *([f"summary: {json.dumps(details['summary'].get('epochs', []))}"] if details["summary"] else []),
+        *([_summary_line(details["summary"])] if details["summary"] else []),
         "spec:",
         *yaml.safe_dump(details["spec"], sort_keys=False).splitlines(),
     ]

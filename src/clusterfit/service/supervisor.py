@@ -148,7 +148,8 @@ class Supervisor:
             # A command job writes no heartbeats: it runs as soon as its engine has it.
             staged = any(beat.phase != Phase.STAGING for beat in beats.values())
             if not running and (spec.command is not None or staged):
-                started = "command started" if spec.command is not None else "training started"
+                started = "command" if spec.command is not None else "scoring" if spec.scorer else "training"
+                started += " started"
                 self.store.transition(job_id, JobState.RUNNING, f"attempt {attempt}: {started}")
                 running = True
             now = time.time()

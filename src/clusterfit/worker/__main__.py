@@ -1,4 +1,5 @@
-"""Worker entry point, started by torchrun on every engine: `python -m clusterfit.worker --spec job.yaml`."""
+"""Worker entry point, started by torchrun on every engine: `python -m clusterfit.worker --spec job.yaml`. It
+trains, or, for a spec with `scorer:`, scores images with an exported model."""
 
 from __future__ import annotations
 
@@ -36,7 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         outputs = JobOutputs.at(spec.outputs.dir)
         Heartbeat(outputs, env.rank, spec.limits.hang_timeout, 0).beat(Phase.STAGING, 0, force=True)
         spec = stage_inputs(spec, run_token, log=logging.getLogger("clusterfit.data").info)
-        train(spec, env)
+        if spec.scorer is not None:
+            from clusterfit.scoring.batch import score
+
+            score(spec, env)
+        else:
+            train(spec, env)
     finally:
         shutdown_distributed()
     return 0

@@ -1,0 +1,242 @@
+"""`clusterfit score`: an exported model scores a folder of real JPEGs on 2 ranks (gloo on loopback, launched by
+torchrun's agent like a training job), each image once, a corrupt one counted; killed and rerun, it finishes the
+same output without scoring anything twice; and its top-1 is what the model gives on the same images directly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pa_csv
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import cli_command, processes_mentioning, run_cli, wait_for
+
+from clusterfit.errors import DataError, SpecError
+from clusterfit.outputs import JobOutputs
+from clusterfit.outputs.predictions import ScorePlan, check_plan, finished_chunks
+
+CLASSES = ["class_0", "class_1", "class_2"]
+IMAGE_SIZE = 32
+PER_CLASS = 7
+GOOD = len(CLASSES) * PER_CLASS  # 21 JPEGs, plus one corrupt file
+CHUNK = 4  # 22 files: chunks 0-5, rank 0 scores 0, 2, 4 and rank 1 scores 1, 3, 5
+
+
+def _make_model(model_dir: Path, images: Path) -> Path:
+    """A resnet_tiny folder as the trainer exports it (weights, TorchScript, model card), without training: random
+    features, and a last layer that points each class at the mean features of its folder (nearest centroid), so
+    the top-1 classes differ from image to image."""
+    from clusterfit import __version__
+    from clusterfit.data.transforms import CenterCrop
+    from clusterfit.models import build_model
+    from clusterfit.outputs.model_card import IMAGENET_MEAN, IMAGENET_STD, ModelCard, Preprocessing, write_model_card
+    from clusterfit.worker.export import export_model
+
+    torch.manual_seed(0)
+    model = build_model("resnet_tiny", len(CLASSES), "batch", IMAGE_SIZE).eval()
+    crop, fc = CenterCrop(IMAGE_SIZE), model.fc
+    model.fc = torch.nn.Identity()
+    centroids = []
+    with torch.no_grad():
+        for name in CLASSES:
+            pixels = torch.stack([crop(str(p)) for p in sorted((images / name).glob("0*.jpg"))]).float() / 255
+            normalised = (pixels - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(
+                1, 3, 1, 1
+            )
+            centroids.append(model(normalised).mean(dim=0))
+        centre = torch.stack(centroids).mean(dim=0)
+        fc.weight.copy_(torch.stack(centroids) - centre)
+        fc.bias.copy_(-(fc.weight @ centre))
+    model.fc = fc
+    metadata = {"model": "resnet_tiny", "norm_layer": "batch", "classes": CLASSES, "image_size": IMAGE_SIZE}
+    export_model(model, model_dir, metadata=metadata, image_size=IMAGE_SIZE)
+    card = ModelCard(
+        model="resnet_tiny",
+        classes=CLASSES,
+        image_size=IMAGE_SIZE,
+        preprocessing=Preprocessing.for_size(IMAGE_SIZE),
+        metrics={},
+        spec_sha256="0" * 64,
+        clusterfit_version=__version__,
+        job="test",
+    )
+    write_model_card(model_dir, card)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def scoring_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(model folder, ImageNet-layout folder of 21 JPEGs of 40 px and one corrupt .jpg)."""
+    from make_tiny_imagefolder import make_tiny_imagefolder
+
+    root = tmp_path_factory.mktemp("scoring")
+    images = make_tiny_imagefolder(root / "data", classes=3, train_per_class=0, val_per_class=PER_CLASS, size=40)
+    (images / "val" / "class_1" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 64)
+    return _make_model(root / "model", images / "val"), images / "val"
+
+
+def _score(model: Path, images: Path, out: Path, *extra: str) -> list[str]:
+    return cli_command(
+        "score", str(model), str(images), "--out", str(out), "--nproc", "2", "--chunk-images", str(CHUNK),
+        "--batch-size", "3", *extra,
+    )  # fmt: skip
+
+
+def _score_ok(command: list[str], **popen: object) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=180, **popen)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def _direct_top_k(model_dir: Path, images: Path, files: list[str]) -> tuple[list[list[str]], torch.Tensor]:
+    """The model on its own: safetensors into torchvision's network, the validation transform in this process;
+    each file's classes, most likely first, and their probabilities."""
+    from safetensors.torch import load_file
+
+    from clusterfit.data.transforms import CenterCrop
+    from clusterfit.models import build_model
+
+    model = build_model("resnet_tiny", len(CLASSES), "batch", IMAGE_SIZE)
+    model.load_state_dict(load_file(str(model_dir / "model.safetensors")))
+    crop = CenterCrop(IMAGE_SIZE)
+    pixels = torch.stack([crop(str(images / file)) for file in files]).float() / 255
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    with torch.no_grad():
+        probabilities, indices = model.eval()((pixels - mean) / std).softmax(dim=1).sort(dim=1, descending=True)
+    return [[CLASSES[i] for i in row] for row in indices.tolist()], probabilities
+
+
+def _scored_top_k(table: pa.Table) -> tuple[list[list[str]], torch.Tensor]:
+    ks = range(1, len(CLASSES) + 1)
+    rows = table.to_pylist()
+    classes = [[row[f"class_{k}"] for k in ks] for row in rows]
+    return classes, torch.tensor([[row[f"probability_{k}"] for k in ks] for row in rows], dtype=torch.float64)
+
+
+def _chunk_rows(out: Path) -> dict[Path, list[str]]:
+    return {path: pq.read_table(path)["file"].to_pylist() for path in finished_chunks(JobOutputs.at(out)).values()}
+
+
+def test_two_ranks_score_every_good_image_once_with_the_models_own_top1(
+    scoring_case: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Every good image exactly once, in file order, the corrupt one counted; top-1 (and every top-k class and
+    probability) as the model gives them on the same images loaded directly; each rank wrote its own chunks."""
+    model, images = scoring_case
+    out = tmp_path / "out"
+    result = _score_ok(_score(model, images, out, "--csv"))
+    assert "scored 21 of 22 images on 2 rank(s)" in result.stdout and "skipped 1 unreadable" in result.stdout
+    table = pq.read_table(out / "predictions.parquet")
+    expected = sorted(f"{p.parent.name}/{p.name}" for p in images.rglob("*.jpg") if p.name != "broken.jpg")
+    assert len(expected) == GOOD
+    assert table["file"].to_pylist() == expected
+    assert table["label"].to_pylist() == [file.split("/")[0] for file in expected]
+    # top-k is capped at the model's 3 classes
+    assert table.column_names == ["file", "label", *(f"{c}_{k}" for k in (1, 2, 3) for c in ("class", "probability"))]
+    classes, probabilities = _scored_top_k(table)
+    direct_classes, direct_probabilities = _direct_top_k(model, images, expected)
+    assert [row[0] for row in classes] == [row[0] for row in direct_classes]  # top-1
+    assert classes == direct_classes
+    assert torch.allclose(probabilities, direct_probabilities.double(), atol=1e-5)
+    assert len({row[0] for row in classes}) == len(CLASSES), "a model that answers one class for all proves little"
+    summary = json.loads((out / "summary.json").read_text())
+    assert (summary["images"], summary["images_scored"], summary["bad_images_skipped"]) == (GOOD + 1, GOOD, 1)
+    assert summary["inputs"]["files"] == [{"file": "class_1/broken.jpg", "reason": "corrupt or truncated", "count": 1}]
+    assert summary["images_per_s"] > 0
+    assert summary["top1_vs_folder_labels"] == 1.0  # the nearest-centroid model knows these folders
+    assert pa_csv.read_csv(out / "predictions.csv").num_rows == GOOD
+    chunks = _chunk_rows(out)
+    assert len(chunks) == 6
+    assert all(int(path.parent.name.split("-")[1]) == int(path.stem.split("-")[1]) % 2 for path in chunks)
+    assert sorted(file for files in chunks.values() for file in files) == sorted([*expected, "class_1/broken.jpg"])
+    # Progress went to the records a training job writes, which the progress bar and `status` read.
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["kind"] == "start" and records[0]["total_steps"] == GOOD + 1
+    assert records[-1]["kind"] == "end" and records[-1]["step"] == GOOD + 1
+    beats = {path.name: json.loads(path.read_text()) for path in (out / "heartbeats").glob("rank-*.json")}
+    assert sorted(beats) == ["rank-0.json", "rank-1.json"] and {b["phase"] for b in beats.values()} == {"done"}
+
+
+def test_killed_run_finishes_on_rerun_without_scoring_anything_twice(
+    scoring_case: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Rank 0 stops (hangs) after its 2nd chunk, rank 1 finishes its 3; the launcher is killed with SIGKILL. The
+    rerun scores only chunk 4, leaves the other chunk files as they were, and merges the model's own answers."""
+    model, images = scoring_case
+    out = tmp_path / "out"
+    launcher = subprocess.Popen(
+        _score(model, images, out),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env={**os.environ, "CLUSTERFIT_FAULT": "hang:rank=0:step=2"},
+    )
+    try:
+        wait_for(lambda: len(finished_chunks(JobOutputs.at(out))) == 5 or launcher.poll() is not None, 120, "5 chunks")
+        assert launcher.poll() is None, "the run ended before it could be killed"
+        time.sleep(0.3)  # a 6th chunk, if one were coming, would be there by now
+    finally:
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+    wait_for(lambda: not processes_mentioning(str(out)), 60, "every process of the killed run to stop")
+    before = {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in _chunk_rows(out)}
+    assert sorted(path.name for path in before) == [f"chunk-{i:06d}.parquet" for i in (0, 1, 2, 3, 5)]
+    assert not (out / "predictions.parquet").exists()
+
+    _score_ok(_score(model, images, out))
+    after = _chunk_rows(out)
+    assert {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in before} == before  # none redone
+    assert sorted(set(after) - set(before)) == [out / "predictions" / "rank-00000" / "chunk-000004.parquet"]
+    in_chunks = [file for files in after.values() for file in files]
+    assert len(in_chunks) == len(set(in_chunks)) == GOOD + 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["images_this_run"] == CHUNK  # only chunk 4 was scored again
+    assert (summary["images_scored"], summary["bad_images_skipped"]) == (GOOD, 1)
+    table = pq.read_table(out / "predictions.parquet")
+    files = table["file"].to_pylist()
+    assert files == sorted(files) and len(files) == GOOD
+    classes, probabilities = _scored_top_k(table)
+    direct_classes, direct_probabilities = _direct_top_k(model, images, files)
+    assert classes == direct_classes
+    assert torch.allclose(probabilities, direct_probabilities.double(), atol=1e-5)
+
+
+def test_user_mistakes_are_one_line_with_the_value_and_the_fix(scoring_case: tuple[Path, Path], tmp_path: Path) -> None:
+    from clusterfit.launch import preflight
+    from clusterfit.spec.scoring import scoring_spec
+
+    model, images = scoring_case
+    with pytest.raises(SpecError, match=r"scorer.model_dir = '.*nowhere': no model_card.json there; pass the model/"):
+        preflight(scoring_spec(str(tmp_path / "nowhere"), str(images), str(tmp_path / "o")))
+    (tmp_path / "empty" / "cats").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"scorer.input = '.*empty': holds no images"):
+        preflight(scoring_spec(str(model), str(tmp_path / "empty"), str(tmp_path / "o")))
+    with pytest.raises(SpecError, match=r"--top-k 0: give at least 1"):
+        scoring_spec(str(model), str(images), str(tmp_path / "o"), top_k=0)
+    result = run_cli("score", str(model), str(images), "--out", str(tmp_path / "o"), "--top-k", "-1")
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "--top-k -1: give at least 1" in result.stderr
+
+
+def test_every_chunk_has_one_rank_for_any_world_size_and_plans_pin_their_files(tmp_path: Path) -> None:
+    files = [f"img{i:03d}.jpg" for i in range(23)]
+    plan = ScorePlan(files, None, chunk_images=4)
+    assert plan.chunks == 6 and list(plan.chunk(5)) == [20, 21, 22]
+    for world in (1, 2, 3, 7):
+        owned = sorted(index for rank in range(world) for index in plan.chunks_of(rank, world))
+        assert owned == list(range(6))
+    outputs = JobOutputs.at(tmp_path)
+    check_plan(outputs, plan.record("abc"), write=True)
+    check_plan(outputs, plan.record("abc"), write=False)  # the same plan: a rerun goes on
+    with pytest.raises(SpecError, match="holds predictions of another scoring run .*chunk_images 4 vs 5"):
+        check_plan(outputs, ScorePlan(files, None, chunk_images=5).record("abc"), write=False)
+    with pytest.raises(SpecError, match="files_sha256"):
+        check_plan(outputs, ScorePlan(files[1:], None, chunk_images=4).record("abc"), write=False)
