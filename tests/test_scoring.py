@@ -240,3 +240,41 @@ def test_every_chunk_has_one_rank_for_any_world_size_and_plans_pin_their_files(t
         check_plan(outputs, ScorePlan(files, None, chunk_images=5).record("abc"), write=False)
     with pytest.raises(SpecError, match="files_sha256"):
         check_plan(outputs, ScorePlan(files[1:], None, chunk_images=4).record("abc"), write=False)
+
+
+def test_an_input_at_a_url_is_staged_like_training_data(scoring_case: tuple[Path, Path], tmp_path: Path) -> None:
+    """The worker's staging step copies a scorer's URL input into the node's cache and hands the scorer the copy."""
+    from clusterfit.data.folders import list_score_inputs
+    from clusterfit.data.staging import stage_inputs
+    from clusterfit.spec import validate_spec
+
+    model, images = scoring_case
+    raw = {
+        "name": "score",
+        "scorer": {"model_dir": str(model), "input": f"file://{images}", "cache_dir": str(tmp_path / "cache")},
+        "outputs": {"dir": str(tmp_path / "out")},
+    }
+    staged = stage_inputs(validate_spec(raw), run_token="test", log=lambda line: None)
+    assert staged.scorer is not None and Path(staged.scorer.input).is_relative_to(tmp_path / "cache")
+    assert list_score_inputs(staged.scorer.input, "scorer.input") == list_score_inputs(str(images), "scorer.input")
+
+
+def test_a_flat_folder_has_no_labels_and_a_mixed_one_is_refused(
+    scoring_case: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from clusterfit.data.folders import list_score_inputs
+
+    _, images = scoring_case
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for path in sorted(images.glob("class_0/*.jpg"))[:3]:
+        (flat / path.name).write_bytes(path.read_bytes())
+    (flat / "notes.txt").write_text("not an image")
+    found = list_score_inputs(str(flat), "scorer.input")
+    assert found.files == ["0000.jpg", "0001.jpg", "0002.jpg"] and found.labels is None
+    labelled = list_score_inputs(str(images), "scorer.input")
+    assert labelled.labels is not None and labelled.labels[:2] == ["class_0", "class_0"]
+    (flat / "cats").mkdir()
+    (flat / "cats" / "a.jpg").write_bytes((flat / "0000.jpg").read_bytes())
+    with pytest.raises(DataError, match="holds both images and class folders of images"):
+        list_score_inputs(str(flat), "scorer.input")
