@@ -20,13 +20,13 @@ from conftest import cli_command, processes_mentioning, run_cli, wait_for
 
 from clusterfit.errors import DataError, SpecError
 from clusterfit.outputs import JobOutputs
-from clusterfit.outputs.predictions import ScorePlan, check_plan, finished_chunks
+from clusterfit.outputs.predictions import ScorePlan, check_plan, finished_chunks, plan_chunk_size
 
 CLASSES = ["class_0", "class_1", "class_2"]
 IMAGE_SIZE = 32
 PER_CLASS = 7
 GOOD = len(CLASSES) * PER_CLASS  # 21 JPEGs, plus one corrupt file
-CHUNK = 4  # 22 files: chunks 0-5, rank 0 scores 0, 2, 4 and rank 1 scores 1, 3, 5
+CHUNK = 3  # 22 files: chunks 0-7 (the last of one file), rank 0 scores 0, 2, 4, 6 and rank 1 scores 1, 3, 5, 7
 
 
 def _make_model(model_dir: Path, images: Path) -> Path:
@@ -154,7 +154,7 @@ def test_two_ranks_score_every_good_image_once_with_the_models_own_top1(
     assert summary["top1_vs_folder_labels"] == 1.0  # the nearest-centroid model knows these folders
     assert pa_csv.read_csv(out / "predictions.csv").num_rows == GOOD
     chunks = _chunk_rows(out)
-    assert len(chunks) == 6
+    assert len(chunks) == 8
     assert all(int(path.parent.name.split("-")[1]) == int(path.stem.split("-")[1]) % 2 for path in chunks)
     assert sorted(file for files in chunks.values() for file in files) == sorted([*expected, "class_1/broken.jpg"])
     # Progress went to the records a training job writes, which the progress bar and `status` read.
@@ -168,8 +168,9 @@ def test_two_ranks_score_every_good_image_once_with_the_models_own_top1(
 def test_killed_run_finishes_on_rerun_without_scoring_anything_twice(
     scoring_case: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Rank 0 stops (hangs) after its 2nd chunk, rank 1 finishes its 3; the launcher is killed with SIGKILL. The
-    rerun scores only chunk 4, leaves the other chunk files as they were, and merges the model's own answers."""
+    """Rank 0 stops (hangs) after its 2nd chunk, rank 1 finishes its 4; the launcher is killed with SIGKILL. The
+    rerun scores only chunks 4 and 6, leaves the other chunk files as they were, and merges the model's own
+    answers."""
     model, images = scoring_case
     out = tmp_path / "out"
     launcher = subprocess.Popen(
@@ -180,25 +181,27 @@ def test_killed_run_finishes_on_rerun_without_scoring_anything_twice(
         env={**os.environ, "CLUSTERFIT_FAULT": "hang:rank=0:step=2"},
     )
     try:
-        wait_for(lambda: len(finished_chunks(JobOutputs.at(out))) == 5 or launcher.poll() is not None, 120, "5 chunks")
+        wait_for(lambda: len(finished_chunks(JobOutputs.at(out))) == 6 or launcher.poll() is not None, 120, "6 chunks")
         assert launcher.poll() is None, "the run ended before it could be killed"
-        time.sleep(0.3)  # a 6th chunk, if one were coming, would be there by now
+        time.sleep(0.3)  # a 7th chunk, if one were coming, would be there by now
     finally:
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait()
     wait_for(lambda: not processes_mentioning(str(out)), 60, "every process of the killed run to stop")
     before = {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in _chunk_rows(out)}
-    assert sorted(path.name for path in before) == [f"chunk-{i:06d}.parquet" for i in (0, 1, 2, 3, 5)]
+    assert sorted(path.name for path in before) == [f"chunk-{i:06d}.parquet" for i in (0, 1, 2, 3, 5, 7)]
     assert not (out / "predictions.parquet").exists()
 
     _score_ok(_score(model, images, out))
     after = _chunk_rows(out)
     assert {path: (path.stat().st_ino, path.stat().st_mtime_ns) for path in before} == before  # none redone
-    assert sorted(set(after) - set(before)) == [out / "predictions" / "rank-00000" / "chunk-000004.parquet"]
+    assert sorted(set(after) - set(before)) == [
+        out / "predictions" / "rank-00000" / f"chunk-{i:06d}.parquet" for i in (4, 6)
+    ]
     in_chunks = [file for files in after.values() for file in files]
     assert len(in_chunks) == len(set(in_chunks)) == GOOD + 1
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["images_this_run"] == CHUNK  # only chunk 4 was scored again
+    assert summary["images_this_run"] == 2 * CHUNK  # only chunks 4 and 6 were scored
     assert (summary["images_scored"], summary["bad_images_skipped"]) == (GOOD, 1)
     table = pq.read_table(out / "predictions.parquet")
     files = table["file"].to_pylist()
@@ -234,7 +237,12 @@ def test_every_chunk_has_one_rank_for_any_world_size_and_plans_pin_their_files(t
         owned = sorted(index for rank in range(world) for index in plan.chunks_of(rank, world))
         assert owned == list(range(6))
     outputs = JobOutputs.at(tmp_path)
+    # A few chunks per rank, under the cap; once pinned, a rerun keeps the chunk size under any number of ranks.
+    assert [plan_chunk_size(outputs, files, world, 1024) for world in (1, 2, 3)] == [6, 3, 2]
+    assert plan_chunk_size(outputs, files, 1, 4) == 4
     check_plan(outputs, plan.record("abc"), write=True)
+    assert [plan_chunk_size(outputs, files, world, 1024) for world in (1, 2, 7)] == [4, 4, 4]
+    assert plan_chunk_size(outputs, files[1:], 2, 1024) == 3  # other files: refused by check_plan below
     check_plan(outputs, plan.record("abc"), write=False)  # the same plan: a rerun goes on
     with pytest.raises(SpecError, match="holds predictions of another scoring run .*chunk_images 4 vs 5"):
         check_plan(outputs, ScorePlan(files, None, chunk_images=5).record("abc"), write=False)

@@ -567,7 +567,7 @@ def score(
     top_k: Annotated[int, typer.Option("--top-k", help="Classes per image (capped at the model's classes).")] = 5,
     batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Images per forward pass.")] = 64,
     chunk_images: Annotated[
-        int, typer.Option("--chunk-images", min=1, help="Images per part file; a rerun redoes at most one per rank.")
+        int, typer.Option("--chunk-images", min=1, help="At most this many images per chunk file (a rerun redoes one).")
     ] = 1024,
     csv: Annotated[bool, typer.Option("--csv", help="Also write predictions.csv.")] = False,
 ) -> None:

@@ -11,7 +11,7 @@ from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import published, read_manifest
 from clusterfit.outputs.layout import WEIGHTS_FILE, model_card_file
 from clusterfit.outputs.model_card import read_model_card
-from clusterfit.outputs.predictions import ScorePlan, check_plan, require_pyarrow
+from clusterfit.outputs.predictions import ScorePlan, check_plan, plan_chunk_size, require_pyarrow
 from clusterfit.spec.model import JobSpec, is_url
 
 
@@ -89,5 +89,7 @@ def _check_scoring_job(spec: JobSpec) -> None:
         return  # listed by the workers, once staged
     card = read_model_card(Path(scorer.model_dir))
     inputs = list_score_inputs(scorer.input, "scorer.input")
-    plan = ScorePlan(inputs.files, inputs.labels, scorer.chunk_images)
-    check_plan(JobOutputs.at(spec.outputs.dir), plan.record(card.files.get(WEIGHTS_FILE, "")), write=False)
+    outputs = JobOutputs.at(spec.outputs.dir)
+    chunk = plan_chunk_size(outputs, inputs.files, spec.world_size, scorer.chunk_images)
+    plan = ScorePlan(inputs.files, inputs.labels, chunk)
+    check_plan(outputs, plan.record(card.files.get(WEIGHTS_FILE, "")), write=False)

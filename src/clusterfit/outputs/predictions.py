@@ -2,12 +2,14 @@
 predictions.parquet they are merged into. Writer and reader side by side; torch-free, pyarrow on demand (the
 `score` extra).
 
-The sorted file list is cut into chunks of `chunk_images`; chunk g belongs to rank g mod world size and is
+The sorted file list is cut into chunks (at most `chunk_images`, and small enough that each rank gets a few, so
+no rank idles while another finishes a long last chunk); chunk g belongs to rank g mod world size and is
 published as `predictions/rank-R/chunk-G.parquet` by one rename, holding every file of the chunk (a file that
 could not be decoded as a row with its `bad_reason`). A chunk is done once its file exists, under any rank's
 folder: a run killed at any moment and run again scores only the chunks that have no file, so no image is scored
 twice and the merged output is the same. `plan.json` pins the file list and the chunk size the chunks were cut
-with; a rerun over other files is refused rather than mixed in."""
+with: a rerun keeps that chunk size (under any number of ranks), and a rerun over other files or another model is
+refused rather than mixed in."""
 
 from __future__ import annotations
 
@@ -47,6 +49,22 @@ def require_pyarrow() -> None:
         raise SpecError("clusterfit score writes Parquet and needs pyarrow: pip install 'clusterfit[score]'")
 
 
+CHUNKS_PER_RANK = 4  # when the input allows: a rank's share then ends at most a quarter of it after another's
+
+
+def files_digest(files: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(files).encode()).hexdigest()
+
+
+def plan_chunk_size(outputs: JobOutputs, files: Sequence[str], world_size: int, cap: int) -> int:
+    """Images per chunk: the pinned plan's when these files were being scored here before (a rerun resumes under
+    any number of ranks), else at most `cap` and small enough for CHUNKS_PER_RANK chunks per rank."""
+    saved = _read_plan(outputs)
+    if saved is not None and saved.get("files_sha256") == files_digest(files):
+        return int(saved["chunk_images"])
+    return max(1, min(cap, -(-len(files) // (CHUNKS_PER_RANK * world_size))))
+
+
 @dataclass(frozen=True)
 class ScorePlan:
     """Which files each chunk holds and which rank scores it; the same on every rank and every rerun."""
@@ -66,11 +84,10 @@ class ScorePlan:
         return list(range(rank, self.chunks, world_size))
 
     def record(self, model_sha256: str) -> dict[str, Any]:
-        digest = hashlib.sha256("\n".join(self.files).encode()).hexdigest()
         return {
             "images": len(self.files),
             "chunk_images": self.chunk_images,
-            "files_sha256": digest,
+            "files_sha256": files_digest(self.files),
             "labelled": self.labels is not None,
             "model_sha256": model_sha256,
         }
@@ -93,9 +110,8 @@ def finished_chunks(outputs: JobOutputs) -> dict[int, Path]:
 def check_plan(outputs: JobOutputs, record: dict[str, Any], *, write: bool) -> None:
     """Refuse outputs whose chunks were cut from other files, another chunk size or another model; with `write`,
     pin this plan when none is there yet."""
-    path = outputs.prediction_parts / PLAN_FILE
-    if path.is_file():
-        saved = json.loads(path.read_text())
+    saved = _read_plan(outputs)
+    if saved is not None:
         changed = [f"{key} {saved.get(key)!r} vs {value!r}" for key, value in record.items() if saved.get(key) != value]
         if changed:
             raise SpecError(
@@ -103,7 +119,12 @@ def check_plan(outputs: JobOutputs, record: dict[str, Any], *, write: bool) -> N
                 "choose a new --out, or move the old one away to start over"
             )
     elif write:
-        write_atomically(path, json.dumps(record, indent=2) + "\n")
+        write_atomically(outputs.prediction_parts / PLAN_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def _read_plan(outputs: JobOutputs) -> dict[str, Any] | None:
+    path = outputs.prediction_parts / PLAN_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def write_chunk(path: Path, columns: dict[str, list[Any]]) -> None:

@@ -33,6 +33,7 @@ from clusterfit.outputs.predictions import (
     class_column,
     finished_chunks,
     merge_predictions,
+    plan_chunk_size,
     probability_column,
     write_chunk,
 )
@@ -59,19 +60,22 @@ def score(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
     classifier = load_classifier(cfg.model_dir)
     model = classifier.model.to(device)
     inputs = list_score_inputs(cfg.input, "scorer.input")
-    plan = ScorePlan(inputs.files, inputs.labels, cfg.chunk_images)
+    chunk_size = plan_chunk_size(out, inputs.files, env.world_size, cfg.chunk_images)
+    plan = ScorePlan(inputs.files, inputs.labels, chunk_size)
     check_plan(out, plan.record(card.files.get(WEIGHTS_FILE, "")), write=env.is_main)
+    barrier(env)  # plan.json is there before any chunk: a rerun finds the chunk size they were cut with
     done = finished_chunks(out)
     mine = [index for index in plan.chunks_of(env.rank, env.world_size) if index not in done]
     top_k = min(cfg.top_k, len(classifier.classes))
     log.info(
-        "rank %d of %d on %s: %d of %d images left in %d chunk(s) of this rank (%d chunk(s) done before)",
+        "rank %d of %d on %s: %d of %d images left in %d chunk(s) of %d of this rank (%d chunk(s) done before)",
         env.rank,
         env.world_size,
         device,
         sum(len(plan.chunk(index)) for index in mine),
         len(plan.files),
         len(mine),
+        plan.chunk_images,
         len(done),
     )
     sinks = open_metric_sinks(out, env.is_main)

@@ -441,7 +441,10 @@ class ScorerSpec(_Strict):
     top_k: int = Field(5, ge=1, description="classes kept per image, at most the model's class count")
     batch_size: int = Field(64, ge=1, description="images per forward pass")
     chunk_images: int = Field(
-        1024, ge=1, description="images per published part file: a rerun after a crash redoes at most one per rank"
+        1024,
+        ge=1,
+        description="at most this many images per published chunk file (fewer, to give each rank a few); a rerun "
+        "after a crash redoes at most one per rank",
     )
     csv: bool = Field(False, description="also write predictions.csv")
     cache_dir: str = Field("~/.cache/clusterfit/data", description="node-local folder for a staged URL input")
