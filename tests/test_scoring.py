@@ -286,3 +286,15 @@ def test_a_flat_folder_has_no_labels_and_a_mixed_one_is_refused(
     (flat / "cats" / "a.jpg").write_bytes((flat / "0000.jpg").read_bytes())
     with pytest.raises(DataError, match="holds both images and class folders of images"):
         list_score_inputs(str(flat), "scorer.input")
+
+
+def test_a_silent_scoring_rank_is_a_hang_like_a_silent_training_rank() -> None:
+    from clusterfit.outputs import RankBeat
+    from clusterfit.service.supervisor import _hang
+
+    def beats(phase: str) -> dict[int, RankBeat]:
+        return {rank: RankBeat(rank, phase, 4, 1000.0, 10.0, 1, "host", 1) for rank in (0, 1)}
+
+    assert _hang(beats("scoring"), 60, now=1030.0) is None
+    assert "every rank last reported step 4" in (_hang(beats("scoring"), 60, now=1100.0) or "")
+    assert _hang(beats("staging"), 60, now=1100.0) is None

@@ -12,15 +12,21 @@ from clusterfit.outputs.layout import JobOutputs
 
 
 class Phase(str, enum.Enum):
-    """What a rank is doing. Only silence in TRAINING counts as a hang: staging a large dataset or a long
-    validation is not one."""
+    """What a rank is doing. Only silence in TRAINING (or SCORING) counts as a hang: staging a large dataset or a
+    long validation is not one."""
 
     STAGING = "staging"
     RUNNING = "running"  # a command job's process is alive and has not reported a step: never a hang
     TRAINING = "training"
     VALIDATING = "validating"
     EXPORTING = "exporting"
-    SCORING = "scoring"  # a scoring job's ranks (clusterfit score)
+    SCORING = "scoring"  # a scoring job's ranks (clusterfit score): each batch is a step, silence a hang
+
+    @property
+    def watched(self) -> bool:
+        """Whether silence in this phase is a hang (hang_timeout): training steps and scored batches."""
+        return self in (Phase.TRAINING, Phase.SCORING)
+
     DONE = "done"
 
 
@@ -38,7 +44,8 @@ class RankBeat:
 
     @property
     def training(self) -> bool:
-        return self.phase == Phase.TRAINING
+        """Making steps whose silence is a hang: training, or scoring images."""
+        return self.phase in {phase.value for phase in Phase if phase.watched}
 
 
 def write_heartbeat(outputs: JobOutputs, beat: RankBeat) -> None:

@@ -10,7 +10,6 @@ import yaml
 
 from clusterfit.outputs import (
     JobOutputs,
-    Phase,
     RecordKind,
     last_record,
     own_metrics,
@@ -63,7 +62,7 @@ def rank_health(job: Job) -> list[dict[str, Any]]:
         age = now - beat.time
         if not job.job_state.is_active:
             health = "ended"
-        elif age > _STALE_BEAT_S and beat.phase == Phase.TRAINING:
+        elif age > _STALE_BEAT_S and beat.training:
             health = "silent"
         else:
             health = "ok"

@@ -94,7 +94,7 @@ class Heartbeat:
         )
         write_heartbeat(self.outputs, record)
         self._written = beat
-        if beat.phase is Phase.TRAINING:  # staging a large dataset or a long validation is not a hang
+        if beat.phase.watched:  # staging a large dataset or a long validation is not a hang
             # Counted from the step, not from this write, which may come up to a second later.
             timeout = self.hang_timeout + self.interval - (time.monotonic() - beat.monotonic)
             # The dump goes to stderr, which the worker points at its rank log.
