@@ -127,7 +127,8 @@ def score(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
                     _record_progress(sinks, out, plan, images_done_before, loop_started)
                 if fault is not None:
                     fault.trigger(env.rank, finished)
-    heartbeat.beat(Phase.SCORING, scored + tally.skipped_files, force=True)
+    # Waiting for the other ranks, then merging, is not a hang (and must not dump this rank's stack).
+    heartbeat.beat(Phase.EXPORTING, scored + tally.skipped_files, force=True)
     barrier(env)  # every chunk is published
     seconds = time.perf_counter() - loop_started
     scored_this_run, bad_this_run = all_reduce_sum([float(scored), float(tally.skipped_files)], env, device)
