@@ -113,12 +113,12 @@ def score(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
             for path, reason in bad:
                 rows[index_of[path]] = {BAD_COLUMN: reason}
             if images is not None:
-                inputs = normalize_on_device(images, device, False, pre.mean, pre.std)
-                probabilities, classes = model(inputs).softmax(dim=1).topk(top_k, dim=1)
+                pixels = normalize_on_device(images, device, False, pre.mean, pre.std)
+                probabilities, classes = model(pixels).softmax(dim=1).topk(top_k, dim=1)
                 for index, probs, best in zip(indices.tolist(), probabilities.tolist(), classes.tolist(), strict=True):
                     rows[index] = {"probabilities": probs, "classes": [classifier.classes[c] for c in best]}
                 scored += len(indices)
-            heartbeat.beat(Phase.SCORING, scored + len(bad))
+            heartbeat.beat(Phase.SCORING, scored + tally.skipped_files)
             if position + 1 == len(owners) or owners[position + 1] != chunk:
                 write_chunk(chunk_file(out, env.rank, chunk), _chunk_columns(plan, chunk, rows, top_k))
                 rows.clear()
