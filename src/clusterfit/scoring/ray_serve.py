@@ -58,9 +58,7 @@ def model_deployment(settings: ServeSettings) -> Any:
                 raise HTTPException(404, "POST /predict, GET /metadata or GET /health")
             body = await _bounded_body(request, settings.max_body_bytes)
             bodies, single = image_bodies(request.headers.get("content-type", ""), body)
-            images = [
-                await asyncio.to_thread(preprocess, one, self.card.image_size, settings.max_pixels) for one in bodies
-            ]
+            images = [await asyncio.to_thread(preprocess, one, self.card, settings.max_pixels) for one in bodies]
             rows = await asyncio.gather(*(self.score(image) for image in images))
             results = [top_k_answer(row, self.card.classes, self.top_k) for row in rows]
             return results[0] if single else {"results": results}

@@ -195,14 +195,14 @@ class ServeSettings:
     auth_failure_window_s: float = 60.0
 
 
-def preprocess(body: bytes, image_size: int, max_pixels: int) -> torch.Tensor:
+def preprocess(body: bytes, card: ModelCard, max_pixels: int) -> torch.Tensor:
     """One image's bytes -> the model's uint8 CHW input; a 422 naming the problem if it is not a usable image."""
     try:
         with open_image(body) as header:  # reads the header only: the size is known before any decoding
             width, height = header.size
         if width * height > max_pixels:
             raise HTTPException(422, f"image of {width}x{height} pixels is over the limit of {max_pixels}")
-        return val_transform(image_size)(body)
+        return val_transform(card.image_size, card.preprocessing.crop_fraction)(body)
     except BadImage as exc:
         raise HTTPException(422, f"not a usable image: {exc}") from None
 
@@ -317,7 +317,7 @@ def create_serving_app(model_dir: Path, predictor: Predictor, settings: ServeSet
     async def predict(request: Request, _: Keyed) -> dict[str, Any]:
         bodies, single = image_bodies(request.headers.get("content-type", ""), await request.body())
         batcher.stats.requests += 1
-        images = [await asyncio.to_thread(preprocess, one, card.image_size, settings.max_pixels) for one in bodies]
+        images = [await asyncio.to_thread(preprocess, one, card, settings.max_pixels) for one in bodies]
         rows = await asyncio.gather(*(batcher.score(image) for image in images))
         results = [top_k_answer(row, card.classes, top_k) for row in rows]
         return results[0] if single else {"results": results}
