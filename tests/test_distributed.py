@@ -207,7 +207,7 @@ def _check_model_card_and_onnx_export(out: Path, images: Path, summary: dict) ->
     assert card["classes"] == ["class_0", "class_1", "class_2"] and card["model"] == "resnet_tiny"
     assert card["preprocessing"] == {
         "resize_shorter_side": 37, "center_crop": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
-        "channel_order": "RGB", "layout": "NCHW", "scale": 1 / 255,
+        "channel_order": "RGB", "layout": "NCHW", "scale": 1 / 255, "crop_fraction": 0.875,
     }  # fmt: skip
     assert card["metrics"]["val_top1"] == summary["epochs"][-1]["val_top1"]
     assert card["spec_sha256"] == spec_hash(summary["spec"])
