@@ -31,6 +31,7 @@ from clusterfit.files import write_atomically
 from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV
 from clusterfit.spec.model import JobSpec, StorageSpec, is_url
 from clusterfit.storage.checksums import sha256_of
+from clusterfit.storage.redact import redact
 
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
@@ -286,9 +287,7 @@ class _StorageProblem:
 def _diagnose(exc: BaseException, creds: Credentials) -> _StorageProblem:
     """What an exception from any storage SDK means."""
     name = type(exc).__name__
-    text = " ".join(str(exc).split())
-    for secret in creds.secrets():
-        text = text.replace(secret, "***")
+    text = redact(" ".join(str(exc).split()), creds.secrets())
     lowered = f"{name} {text}".lower()
     if "authenticat" in lowered or "signature" in lowered or "authorizationfailure" in lowered:
         return _StorageProblem(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import signal
 import socket
 import threading
@@ -38,6 +39,7 @@ from clusterfit.service.addresses import is_loopback, url_host
 from clusterfit.service.auth import SCOPES, TokenError, Verdict, acts_for, authorize, issue_token, parse_ttl
 from clusterfit.service.jobs import Refused, ServiceError, parse_state
 from clusterfit.service.local_jobs import LocalJobs
+from clusterfit.service.records import forget_secrets_of_ended_jobs
 from clusterfit.service.scheduler import reconcile, schedule
 from clusterfit.service.store import ApiToken, JobStore
 
@@ -435,6 +437,8 @@ def serve(
 ) -> None:
     import uvicorn
 
+    os.umask(0o077)  # the database, secrets and logs it writes are for its user only
+    forget_secrets_of_ended_jobs(store)  # those a crashed server or supervisor left behind
     config = uvicorn.Config(
         create_app(store, settings),
         ssl_certfile=str(tls_cert) if tls_cert else None,
@@ -449,9 +453,13 @@ def serve(
     shown = f"[{host}]" if ":" in host else host
     # NOTE: uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handlers it
     # found; these make that second delivery a no-op, so the maintenance thread is stopped too and we exit 0.
-    stopped_by: list[int] = []
+    # A signal that comes before uvicorn has put in its own handlers (just after "listening") lands here: it
+    # asks uvicorn to stop as soon as it runs, instead of being lost.
+    def stop_soon(_number: int, _frame: object) -> None:
+        server.should_exit = True
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda number, _frame: stopped_by.append(number))
+        signal.signal(signum, stop_soon)
     with Maintenance(store, settings.maintenance_every_s, start_jobs=not settings.paused).running():
         announce(f"clusterfit server listening on {scheme}://{shown}:{port} (dashboard: {scheme}://{shown}:{port}/)")
         server.run(sockets=[sock])

@@ -14,7 +14,10 @@ CAPACITY_ENV = "CLUSTERFIT_CAPACITY"  # local slots; default: the cores (or GPUs
 
 def service_home() -> Path:
     home = Path(os.environ.get(HOME_ENV) or Path.home() / ".clusterfit").expanduser()
-    home.mkdir(parents=True, exist_ok=True)
+    # The job store, token hashes and waiting secrets live here: its owner's alone, whatever the umask.
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if home.stat().st_mode & 0o077 and home.stat().st_uid == os.getuid():
+        home.chmod(0o700)
     return home
 
 

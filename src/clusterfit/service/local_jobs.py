@@ -14,7 +14,7 @@ from clusterfit.errors import ClusterfitError
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.jobs import Refused, ServiceError
 from clusterfit.service.logview import read_logs
-from clusterfit.service.records import record_job
+from clusterfit.service.records import forget_secrets, record_job
 from clusterfit.service.scheduler import reconcile, schedule
 from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import Job, JobNotFound, JobStore, StateConflict
@@ -73,6 +73,7 @@ class LocalJobs:
                 self.store.transition(
                     job.id, JobState.CANCELLED, "cancelled by user while queued", cause=FailureCause.CANCELLED.value
                 )
+                forget_secrets(job.id)
         return job_status(self.store, self.store.get(job.id))
 
     def list_jobs(self, state: JobState | None = None, limit: int = 200) -> list[dict[str, Any]]:

@@ -17,6 +17,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from clusterfit.service.home import DATABASE_ENV, database_url
 from clusterfit.service.store import JobStore, make_engine
+from clusterfit.storage.redact import redact
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_MIGRATION_LOCK = 0x636C7573  # any constant: one advisory lock id for "clusterfit migrations"
@@ -62,9 +63,12 @@ def open_store(url: str | None = None) -> JobStore:
         engine = make_engine(url)
         migrate(engine)
     except (SQLAlchemyError, ImportError) as exc:
-        shown = make_url(url).render_as_string(hide_password=True) if "://" in url else url
+        shown = redact(make_url(url).render_as_string(hide_password=True) if "://" in url else url)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise StoreUnavailable(
             f"job store {shown}: {reason}; check {DATABASE_ENV} (or unset it for the SQLite file in the service home)"
         ) from None
+    database = make_url(url).database if url.startswith("sqlite") else None
+    if database and Path(database).is_file():
+        Path(database).chmod(0o600)  # specs, owners and token hashes: not for other local users
     return JobStore(engine)

@@ -12,7 +12,7 @@ from pydantic import SecretStr
 
 from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.service.home import service_home
-from clusterfit.service.store import Job, JobStore
+from clusterfit.service.store import Job, JobNotFound, JobStore
 from clusterfit.spec import JobSpec, validate_spec
 
 _SECRETS_DIR = "secrets"
@@ -52,6 +52,25 @@ def spec_of(job: Job) -> JobSpec:
 
 def forget_secrets(job_id: str) -> None:
     _secret_path(job_id).unlink(missing_ok=True)
+
+
+def forget_secrets_of_ended_jobs(store: JobStore) -> list[str]:
+    """A job's secrets live only while it may still run: delete those of jobs that ended (however they ended:
+    cancelled while queued, settled by reconcile, a supervisor that died before its cleanup) or that the store
+    does not know. Returns the job ids whose secrets were deleted."""
+    folder = service_home() / _SECRETS_DIR
+    if not folder.is_dir():
+        return []
+    deleted = []
+    for path in folder.glob("*.json"):
+        try:
+            ended = store.get(path.stem).job_state.is_terminal
+        except JobNotFound:
+            ended = True
+        if ended:
+            path.unlink(missing_ok=True)
+            deleted.append(path.stem)
+    return deleted
 
 
 def _secret_path(job_id: str) -> Path:

@@ -19,6 +19,7 @@ from filelock import FileLock
 from clusterfit.backends import EngineRef, get_backend
 from clusterfit.processes import is_running
 from clusterfit.service.home import local_capacity, service_home
+from clusterfit.service.records import forget_secrets_of_ended_jobs
 from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import Job, JobStore, StateConflict, utcnow
 
@@ -95,4 +96,5 @@ def reconcile(store: JobStore) -> list[str]:
             settled.append(job.id)
         except (StateConflict, IllegalTransition):
             continue
+    forget_secrets_of_ended_jobs(store)
     return settled

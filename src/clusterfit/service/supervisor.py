@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     from clusterfit.service.scheduler import schedule
 
     job_id = (argv or sys.argv[1:])[0]
+    os.umask(0o077)  # what it and its job write (logs, the SAS file it reads) is for the job's owner only
     if os.fork() > 0:  # detach: the starter reaps this parent at once and never leaves a zombie
         os._exit(0)
     os.setsid()

@@ -451,6 +451,46 @@ class ScorerSpec(_Strict):
     stage_workers: int = Field(8, ge=1, le=64, description="parallel transfers when staging")
 
 
+# Variables that change how a program is loaded or which program runs: a job setting them would run code of its
+# choosing inside clusterfit's own processes (the agent, the workers, the supervisor's tools), not only its own.
+_LOADER_PREFIXES = ("PYTHON", "LD_", "DYLD_", "BASH_FUNC_", "PERL5", "RUBY", "NODE_", "JAVA_TOOL_", "_JAVA_")
+_LOADER_NAMES = frozenset({"BASH_ENV", "ENV", "PATH", "IFS", "PERLLIB", "GCONV_PATH", "LOCPATH", "NLSPATH"})
+# Set by torchrun and clusterfit for every worker; a job's own value would break the contract they rely on.
+_CONTRACT_NAMES = frozenset(
+    {
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TF_CONFIG",
+    }
+)
+# Fault injection (a documented testing aid), and the attempt number the job service writes into the resolved
+# spec of each attempt (how it reaches the workers on every engine).
+_OWN_VARIABLES_ALLOWED = frozenset({"CLUSTERFIT_FAULT", "CLUSTERFIT_ATTEMPT"})
+
+
+def reserved_variable(name: str) -> str | None:
+    """Why a job may not set environment variable `name`, or None if it may."""
+    upper = name.upper()
+    if upper in _LOADER_NAMES or upper.startswith(_LOADER_PREFIXES):
+        return (
+            "changes how programs are loaded, so it would run code inside clusterfit's own processes; "
+            "install packages into the image or pass paths as your script's arguments"
+        )
+    if upper in _CONTRACT_NAMES or upper.startswith(("TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_")):
+        return "is set for every worker by torchrun and clusterfit; remove it (distribution: sets the world)"
+    if upper.startswith("CLUSTERFIT_") and upper not in _OWN_VARIABLES_ALLOWED:
+        return "belongs to clusterfit (its service and workers); remove it"
+    return None
+
+
 class JobSpec(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     description: str | None = None
@@ -477,6 +517,15 @@ class JobSpec(_Strict):
         if problem:
             raise ValueError(problem)
         return data
+
+    @field_validator("environment_variables")
+    @classmethod
+    def _no_loader_or_contract_variables(cls, variables: dict[str, str]) -> dict[str, str]:
+        for name in variables:
+            problem = reserved_variable(name)
+            if problem:
+                raise ValueError(f"{name} {problem}")
+        return variables
 
     @model_validator(mode="after")
     def _trainer_or_command(self) -> JobSpec:

@@ -1,0 +1,154 @@
+"""What a job's rights and secrets are confined by, replayed for real: environment variables that would load a
+job's code into clusterfit's processes are refused at submit, on the command line and over HTTP; a job's SAS
+token file is gone whenever the job ends, however it ends, and a restarted server sweeps what a crash left;
+the service home and its database are their owner's alone."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import run_cli, tiny_job, write_job
+from service_server import ServerProcess, client
+
+from clusterfit.service.auth import issue_token
+from clusterfit.service.local_jobs import LocalJobs
+from clusterfit.service.migrate import open_store
+from clusterfit.spec import validate_spec
+from clusterfit.storage.redact import redact
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        ("PYTHONPATH", "changes how programs are loaded"),
+        ("PYTHONSTARTUP", "changes how programs are loaded"),
+        ("LD_PRELOAD", "changes how programs are loaded"),
+        ("BASH_ENV", "changes how programs are loaded"),
+        ("PATH", "changes how programs are loaded"),
+        ("MASTER_ADDR", "set for every worker by torchrun"),
+        ("TORCHELASTIC_RUN_ID", "set for every worker by torchrun"),
+        ("CLUSTERFIT_HOME", "belongs to clusterfit"),
+    ],
+)
+def test_a_variable_that_would_run_the_job_s_code_in_our_processes_is_refused_at_submit(
+    tmp_path: Path, name: str, words: str
+) -> None:
+    job = tiny_job(tmp_path / "out")
+    job["environment_variables"] = {name: "/tmp/attacker"}
+    result = run_cli("submit", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode != 0
+    line = result.stderr.strip()
+    assert len(line.splitlines()) == 1 and f"environment_variables: {name} " in line and words in line, line
+    assert open_store().count_jobs() == 0
+
+
+def test_the_variables_jobs_use_are_still_accepted(tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "out")
+    job["environment_variables"] = {
+        "OMP_NUM_THREADS": "1",
+        "NCCL_DEBUG": "WARN",
+        "CLUSTERFIT_FAULT": "raise:rank=0:step=9",
+    }
+    validate_spec(job)
+
+
+def test_over_http_the_refusal_is_the_same_line(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"CLUSTERFIT_HOME": str(home), "CLUSTERFIT_DATABASE_URL": f"sqlite:///{home / 'jobs.db'}"}
+    job = tiny_job(tmp_path / "out")
+    job["environment_variables"] = {"LD_PRELOAD": "/tmp/evil.so"}
+    with ServerProcess("--paused", env=env) as server:
+        token = issue_token(open_store(env["CLUSTERFIT_DATABASE_URL"]), "submit", timedelta(hours=1), "t").secret
+        with client(server.url, token) as http:
+            answer = http.post("/api/jobs", json={"spec": yaml.safe_dump(job)})
+    assert answer.status_code == 422
+    assert "environment_variables: LD_PRELOAD changes how programs are loaded" in answer.json()["detail"]
+
+
+def _secret_files(home: Path) -> list[str]:
+    folder = home / "secrets"
+    return sorted(path.name for path in folder.iterdir()) if folder.is_dir() else []
+
+
+def test_a_sas_token_is_deleted_when_its_job_is_cancelled_while_queued(tmp_path: Path, service_home: Path) -> None:
+    job = tiny_job(tmp_path / "out")
+    job["storage"] = {"account_name": "acct", "sas_token": "sv=2024&sig=SECRETSIGNATURE"}
+    jobs = LocalJobs(open_store(), start_jobs=False)  # queued, never started
+    job_id = jobs.enqueue(validate_spec(job), owner="alice")["id"]
+    assert _secret_files(service_home) == [f"{job_id}.json"]
+    assert oct((service_home / "secrets" / f"{job_id}.json").stat().st_mode & 0o777) == "0o600"
+    assert jobs.cancel(job_id)["state"] == "CANCELLED"
+    assert _secret_files(service_home) == []
+
+
+def test_a_restarted_server_sweeps_secrets_a_crash_left_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"CLUSTERFIT_HOME": str(home), "CLUSTERFIT_DATABASE_URL": f"sqlite:///{home / 'jobs.db'}"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)  # this process records the queued job into the server's home
+    store = open_store(env["CLUSTERFIT_DATABASE_URL"])
+    (home / "secrets").mkdir(mode=0o700)
+    (home / "secrets" / "0123456789.json").write_text('{"sas_token": "sig=LEFTOVER"}')  # a job the store never had
+    queued = validate_spec({**tiny_job(tmp_path / "out"), "storage": {"sas_token": "sig=STILLNEEDED"}})
+    waiting = LocalJobs(store, start_jobs=False).enqueue(queued, owner="bob")["id"]
+    with ServerProcess("--paused", env=env):
+        pass
+    assert _secret_files(home) == [f"{waiting}.json"]  # a queued job keeps its token until it ends
+
+
+def test_the_service_home_and_its_database_are_the_owner_s_alone(tmp_path: Path) -> None:
+    home = tmp_path / "wide-open"
+    home.mkdir(mode=0o755)
+    os.chmod(home, 0o755)
+    result = run_cli("list", env={**os.environ, "CLUSTERFIT_HOME": str(home), "CLUSTERFIT_DATABASE_URL": ""})
+    assert result.returncode == 0, result.stderr
+    assert oct(home.stat().st_mode & 0o777) == "0o700"
+    assert oct((home / "jobs.db").stat().st_mode & 0o777) == "0o600"
+
+
+SAS = "sv=2024-05-04&ss=b&srt=co&sp=rl&se=2030-01-01&sig=Zm9vYmFy%2BYmF6cXV4%3D"
+
+
+@pytest.mark.parametrize(
+    "shown",
+    [
+        SAS,
+        "?" + SAS,  # pasted with its leading question mark
+        "sig=Zm9vYmFy%2BYmF6cXV4%3D&sv=2024-05-04&se=2030-01-01",  # parameters in another order
+        "signature Zm9vYmFy+YmF6cXV4= was refused",  # decoded, as an SDK may echo it
+        "https://acct.blob.core.windows.net/data/train/x.jpg?se=2030-01-01&sig=Zm9vYmFy%2BYmF6cXV4%3D",
+    ],
+)
+def test_a_sas_token_is_masked_in_any_form(shown: str) -> None:
+    from clusterfit.data.staging import Credentials, _diagnose
+
+    masked = redact(f"storage said: {shown}", [SAS])
+    assert "Zm9vYmFy" not in masked and "***" in masked
+    problem = _diagnose(ValueError(f"storage said: {shown}"), Credentials(sas_token=SAS))
+    assert "Zm9vYmFy" not in problem.text
+
+
+@pytest.mark.parametrize(
+    ("text", "hidden"),
+    [
+        ("postgresql+psycopg://clusterfit:hunter2secret@db:5432/jobs", "hunter2secret"),
+        ("postgresql://clusterfit@db/jobs?password=hunter2secret&sslmode=require", "hunter2secret"),
+        ("connect to db failed (password=hunter2secret)", "hunter2secret"),
+        ("s3://bucket/key?X-Amz-Signature=abcdef0123456789&X-Amz-Credential=AKIA", "abcdef0123456789"),
+    ],
+)
+def test_passwords_and_signed_urls_are_masked(text: str, hidden: str) -> None:
+    assert hidden not in redact(text)
+
+
+def test_an_unreachable_store_names_its_url_without_the_password(tmp_path: Path) -> None:
+    url = "postgresql+psycopg://user@127.0.0.1:1/jobs?password=hunter2secret&connect_timeout=1"
+    result = run_cli("list", env={**os.environ, "CLUSTERFIT_DATABASE_URL": url})
+    assert result.returncode != 0 and "hunter2secret" not in result.stderr + result.stdout
+    assert "127.0.0.1:1/jobs" in result.stderr
