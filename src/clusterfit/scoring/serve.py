@@ -22,7 +22,7 @@ import secrets
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -135,7 +135,9 @@ class BatchStats:
 
 
 class DynamicBatcher:
-    """Collects queued images into batches of up to `max_batch`, waiting at most `max_wait_s` after the first."""
+    """Collects queued images into batches of up to `max_batch`, waiting at most `max_wait_s` after the first
+    for images that are on their way (requests being read or decoded); with none on the way, a batch runs at
+    once, so a lone client pays no batching delay."""
 
     def __init__(self, predict: Predictor, max_batch: int, max_wait_s: float) -> None:
         self.predict, self.max_batch, self.max_wait_s = predict, max_batch, max_wait_s
@@ -145,11 +147,22 @@ class DynamicBatcher:
         # calls from a rotating pool of threads kept several pools spinning against each other (1 client: 64 ms
         # per request instead of 13).
         self.model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.coming = 0  # images of requests being received or preprocessed, not yet queued
 
-    async def score(self, image: torch.Tensor) -> np.ndarray:
+    @contextlib.contextmanager
+    def expecting(self, images: int) -> Iterator[None]:
+        """While a request's images are read and preprocessed: a batch being formed may wait for them."""
+        self.coming += images
+        try:
+            yield
+        finally:
+            self.coming -= images
+
+    def enqueue(self, image: torch.Tensor) -> asyncio.Future:
+        """Queue one image; the future gets its class probabilities."""
         future: asyncio.Future = asyncio.get_running_loop().create_future()
-        await self.queue.put((image, future))
-        return await future
+        self.queue.put_nowait((image, future))
+        return future
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -158,6 +171,8 @@ class DynamicBatcher:
             deadline = loop.time() + self.max_wait_s
             while len(batch) < self.max_batch:
                 if self.queue.empty():
+                    if self.coming <= 0:
+                        break  # nothing else on the way: waiting would only add latency
                     left = deadline - loop.time()
                     if left <= 0:
                         break
@@ -315,10 +330,12 @@ def create_serving_app(model_dir: Path, predictor: Predictor, settings: ServeSet
 
     @app.post("/predict")
     async def predict(request: Request, _: Keyed) -> dict[str, Any]:
-        bodies, single = image_bodies(request.headers.get("content-type", ""), await request.body())
-        batcher.stats.requests += 1
-        images = [await asyncio.to_thread(preprocess, one, card, settings.max_pixels) for one in bodies]
-        rows = await asyncio.gather(*(batcher.score(image) for image in images))
+        with batcher.expecting(1):  # until its images are queued
+            bodies, single = image_bodies(request.headers.get("content-type", ""), await request.body())
+            batcher.stats.requests += 1
+            images = [await asyncio.to_thread(preprocess, one, card, settings.max_pixels) for one in bodies]
+            futures = [batcher.enqueue(image) for image in images]
+        rows = await asyncio.gather(*futures)
         results = [top_k_answer(row, card.classes, top_k) for row in rows]
         return results[0] if single else {"results": results}
 
