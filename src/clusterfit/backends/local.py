@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.job_env import job_env
 from clusterfit.backends.torchrun import (
     resolved_spec_file,
     ship_code,
@@ -53,7 +54,9 @@ class LocalBackend:
             secret_env=storage_secret_env(spec),
         )
 
-    def submit(self, spec: JobSpec) -> LocalRun:
+    def submit(self, spec: JobSpec, *, confined: bool = False) -> LocalRun:
+        """`confined`: a job of the job service, started with `job_env` rather than this process's own
+        environment (which `clusterfit run` passes on: the user's job in the user's shell)."""
         rendered = self.dry_run(spec)
         ship_code(spec)
         for path, content in rendered.files.items():
@@ -62,10 +65,14 @@ class LocalBackend:
         outputs.logs.mkdir(parents=True, exist_ok=True)
         # NOTE: the agent writes to a file, never to a pipe: a pipe whose reader died breaks torchrun's
         # log tailing threads and leaves the agent hanging at exit.
+        if confined:
+            env = job_env(outputs.root, rendered.env, rendered.secret_env)
+        else:
+            env = {**os.environ, **rendered.env, **rendered.secret_env}
         with open(outputs.agent_log, "a") as agent_log:
             process = subprocess.Popen(
                 rendered.command,
-                env={**os.environ, **rendered.env, **rendered.secret_env},
+                env=env,
                 stdout=agent_log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV, JobOutputs
+from clusterfit.outputs import ATTEMPT_ENV, STORAGE_SAS_TOKEN_ENV, JobOutputs
 from clusterfit.outputs.layout import CODE_DIR
 from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.spec.model import JobSpec
@@ -33,7 +33,11 @@ def with_shipped_code(spec: JobSpec) -> JobSpec:
 
 def resolved_spec_file(spec: JobSpec) -> dict[str, str]:
     """job.yaml in outputs.dir, as `Rendered.files` holds it: the spec every worker reads, on every engine."""
-    return {str(JobOutputs.at(spec.outputs.dir).resolved_spec): resolved_spec_text(with_shipped_code(spec))}
+    # NOTE: the attempt number travels in the workers' environment only: it is no part of the spec, and a
+    # spec may not set CLUSTERFIT_ variables (the workers validate job.yaml again).
+    env = {name: value for name, value in spec.environment_variables.items() if name != ATTEMPT_ENV}
+    written = with_shipped_code(spec).model_copy(update={"environment_variables": env})
+    return {str(JobOutputs.at(spec.outputs.dir).resolved_spec): resolved_spec_text(written)}
 
 
 def ship_code(spec: JobSpec) -> None:

@@ -69,8 +69,12 @@ class Supervisor:
         poll_s: float = 1.0,
         on_tick: Callable[[], None] | None = None,
         log: Callable[[str], None] = print,
+        confined: bool = False,
     ) -> None:
+        # confined: a job of the job service, whose processes get an allow-listed environment (job_env),
+        # never this process's (which holds the server's home, database URL and capacity).
         self.store, self.job_id = store, job_id
+        self.confined = confined
         self.poll_s, self.on_tick, self.log = poll_s, on_tick, log
         self._outputs_claim: OutputsClaim | None = None
 
@@ -114,7 +118,10 @@ class Supervisor:
         agent_log_start = agent_log.stat().st_size if agent_log.exists() else 0
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
-            handle = backend.submit(spec)
+            if self.confined and backend.name == "local":
+                handle = backend.submit(spec, confined=True)  # type: ignore[call-arg]
+            else:
+                handle = backend.submit(spec)
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
             return Outcome.FAILED, failure_for_error(exc, backend.name)
         self.store.update(job.id, engine_ref=dump_json(asdict(handle.ref)))
@@ -294,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
         try:
-            final = Supervisor(store, job_id, log=stamped).run()
+            final = Supervisor(store, job_id, log=stamped, confined=True).run()
             stamped(f"job {job_id} ended {final.state}")
         finally:
             schedule(store)  # this job's slots are free: start whatever waits for them
