@@ -14,21 +14,21 @@ from pathlib import Path
 
 # NOTE: PYTHONPATH is the operator's, not the job's (a spec cannot set it): the workers must import the
 # same clusterfit as the server that started them. CUDA_VISIBLE_DEVICES is the operator's choice of GPUs.
-_KEPT = ("PATH", "LANG", "TZ", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
+# TMPDIR stays the machine's: sockets live there (DataLoader workers, torch's shared memory manager), and a
+# path under a deep outputs folder is longer than a Unix socket path may be (108 bytes).
+_KEPT = ("PATH", "LANG", "TZ", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
 _DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
-_JOB_TMP = ".tmp"
 
 
 def job_base_env(outputs_dir: str | Path, server_env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The fixed base: PATH, locale, time zone and import path from the server; HOME and TMPDIR of the job's
-    own (in its outputs folder), so nothing of the server's account is named."""
+    """The fixed base: PATH, locale, time zone, temp folder and import path from the server; HOME is the job's
+    own outputs folder, so nothing of the server's account is named."""
     server_env = os.environ if server_env is None else server_env
     base = {name: server_env[name] for name in _KEPT if name in server_env}
     base.update({name: value for name, value in server_env.items() if name.startswith("LC_")})
     base.setdefault("PATH", _DEFAULT_PATH)
     outputs = Path(outputs_dir)
     base["HOME"] = str(outputs)
-    base["TMPDIR"] = str(outputs / _JOB_TMP)
     return base
 
 
@@ -41,5 +41,4 @@ def job_env(
     env = job_base_env(outputs_dir, server_env)
     for layer in layers:
         env.update(layer)
-    Path(env["TMPDIR"]).mkdir(parents=True, exist_ok=True)
     return env
