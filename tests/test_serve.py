@@ -160,6 +160,10 @@ def test_unsafe_settings_are_refused(model_dir: Path) -> None:
     assert neither.returncode != 0 and "give --key-file" in neither.stderr
     missing = run_cli("serve", str(model_dir.parent / "nope"), "--no-auth")
     assert missing.returncode != 0 and "no model_card.json" in missing.stderr
+    no_onnx = run_cli("serve", str(model_dir), "--no-auth", "--runtime", "onnx")
+    assert no_onnx.returncode != 0 and no_onnx.stderr.strip().endswith(
+        "run `clusterfit export " + str(model_dir) + "` first"
+    )
 
 
 def test_onnx_runtime_answers_as_torch_does(model_dir: Path, tmp_path: Path) -> None:

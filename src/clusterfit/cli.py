@@ -488,13 +488,15 @@ def serve_model(
 
     With --backend ray the model is deployed as a Ray Serve application of --replicas replicas on the cluster at
     RAY_ADDRESS and the command returns; `clusterfit serve-stop` removes it."""
-    from clusterfit.outputs.layout import model_card_file
+    from clusterfit.outputs.layout import model_card_file, model_onnx
     from clusterfit.service.api import bind, exposure_refusal
 
     if not model_card_file(model_dir).is_file():
         raise _fail(f"{model_dir}: no model_card.json; give a job's model/ folder (outputs.dir/model)")
     if runtime not in ("auto", "onnx", "torch"):
         raise _fail(f"--runtime {runtime!r}: choose auto, onnx or torch")
+    if runtime == "onnx" and not model_onnx(model_dir).is_file():
+        raise _fail(f"--runtime onnx: {model_dir} has no model.onnx; run `clusterfit export {model_dir}` first")
     if (tls_cert is None) != (tls_key is None):
         raise _fail("--tls-cert and --tls-key go together; give both for HTTPS, or neither")
     if backend not in ("local", "ray"):
@@ -671,6 +673,7 @@ def sweep_run(
     from clusterfit.sweep.spec import load_sweep
 
     try:
+        require_sweep_extra()
         sweep, job_file = load_sweep(sweep_file)
     except ClusterfitError as exc:
         raise _fail(str(exc), 2) from None
@@ -712,9 +715,19 @@ def sweep_cancel(name: SweepName, server: ServerOption = None, token: TokenOptio
     console.print(f"sweep {name} cancelled; jobs stopped: {', '.join(cancelled) or 'none'}", markup=False)
 
 
+def require_sweep_extra() -> None:
+    from clusterfit.sweep.study import require_optuna
+
+    try:
+        require_optuna()
+    except ClusterfitError as exc:
+        raise _fail(str(exc), 2) from None
+
+
 def _known_sweep(name: str) -> str:
     from clusterfit.sweep.study import sweep_names
 
+    require_sweep_extra()
     if name not in sweep_names():
         raise _fail(f"no sweep named {name!r}; known: {', '.join(sweep_names()) or 'none'}", 2)
     return name

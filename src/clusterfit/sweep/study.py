@@ -7,12 +7,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from clusterfit.errors import SpecError
 from clusterfit.service.home import service_home
 
 if TYPE_CHECKING:
     import optuna
 
     from clusterfit.sweep.spec import SweepSpec
+
+
+def require_optuna() -> None:
+    """A one-line refusal, before anything runs, when the sweep extra is not installed."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise SpecError("clusterfit sweep needs Optuna: pip install 'clusterfit[sweep]'") from None
 
 
 def storage_url() -> str:
