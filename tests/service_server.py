@@ -20,7 +20,9 @@ from clusterfit.service.states import JobState
 
 class ServerProcess:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.args = args
+        # NOTE: a root server runs its jobs as --job-user (default nobody), who cannot reach pytest's private
+        # temporary folders; tests of that confinement name the user and a folder it can reach.
+        self.args = args if "--job-user" in args else (*args, "--job-user", "root")
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}
         self.process: subprocess.Popen[str] | None = None
         self.url = ""

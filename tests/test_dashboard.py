@@ -158,7 +158,7 @@ def test_dashboard_charts_a_user_script_s_own_metric(
     page = browser_page
     submitter = make_token("submit", name="dashboard-user")
     job = yaml.safe_load(session_job(tmp_path, "script", "python session_user.py --steps 8").read_text())
-    with ServerProcess() as server, client(server.url, submitter) as http:
+    with ServerProcess("--allow-command-jobs") as server, client(server.url, submitter) as http:
         job_id = http.post("/api/jobs", json={"spec": yaml.safe_dump(job)}).json()["id"]
         assert _wait_for_state(job_id, {"SUCCEEDED", "FAILED"}, timeout=120) == "SUCCEEDED"
         page.goto(f"{server.url}/#/jobs/{job_id}")

@@ -298,11 +298,22 @@ def server(
     max_body_bytes: Annotated[
         int, typer.Option(min=1024, help="Largest request body; larger ones get 413 before anything reads them.")
     ] = 1024 * 1024,
+    job_user: Annotated[
+        str,
+        typer.Option(help="When the server runs as root: the unprivileged account its jobs run as."),
+    ] = "nobody",
+    allow_command_jobs: Annotated[
+        bool,
+        typer.Option(
+            "--allow-command-jobs", help="Let submit tokens run command: jobs (their own programs); admin tokens may."
+        ),
+    ] = False,
 ) -> None:
     """Serve the job service's HTTP API and web dashboard over the local store.
 
     Every request needs a token (`clusterfit token create --scope admin` on this machine makes the first)."""
     from clusterfit.service.api import ServerSettings, bind, exposure_refusal, serve
+    from clusterfit.service.home import JOB_USER_ENV
 
     if (tls_cert is None) != (tls_key is None):
         raise _fail("--tls-cert and --tls-key go together; give both for HTTPS, or neither")
@@ -317,12 +328,48 @@ def server(
     except OSError as exc:
         raise _fail(f"cannot listen on {host}:{port}: {exc.strerror}; choose another --port or --host") from None
     settings = ServerSettings(
-        auth=not no_auth, paused=paused, max_body_bytes=max_body_bytes, behind_proxy=tls_terminated_elsewhere
+        auth=not no_auth,
+        paused=paused,
+        max_body_bytes=max_body_bytes,
+        behind_proxy=tls_terminated_elsewhere,
+        allow_command_jobs=allow_command_jobs,
     )
+    if os.geteuid() == 0 and _job_account_differs(job_user):  # as anyone else, there are no root rights to drop
+        os.environ[JOB_USER_ENV] = job_user  # the supervisors this server starts inherit it
     say = partial(console.print, markup=False, highlight=False, soft_wrap=True)
     # Failed authentications and maintenance errors go to stderr with their time, for the operator.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(_store(), sock, settings, tls_cert=tls_cert, tls_key=tls_key, announce=say)
+
+
+def _job_account_differs(job_user: str) -> bool:
+    """Whether a root server's jobs run as another account than the server's: `job_user` must then exist
+    and be able to start this Python with clusterfit (checked now, not at each job's start)."""
+    import pwd
+    import subprocess
+
+    try:
+        account = pwd.getpwnam(job_user)
+    except KeyError:
+        raise _fail(f"--job-user {job_user!r}: no such account on this machine; create it or name another") from None
+    if account.pw_uid == os.geteuid():
+        return False
+    try:
+        subprocess.run(
+            [sys.executable, "-c", "import clusterfit"],
+            user=account.pw_uid,
+            group=account.pw_gid,
+            extra_groups=[],
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.SubprocessError):
+        raise _fail(
+            f"--job-user {job_user!r} cannot run {sys.executable} with clusterfit: install them where that "
+            "account can read them, or name another --job-user"
+        ) from None
+    return True
 
 
 token_app = typer.Typer(

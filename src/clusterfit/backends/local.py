@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import pwd
 import signal
 import subprocess
 import time
@@ -54,9 +55,10 @@ class LocalBackend:
             secret_env=storage_secret_env(spec),
         )
 
-    def submit(self, spec: JobSpec, *, confined: bool = False) -> LocalRun:
+    def submit(self, spec: JobSpec, *, confined: bool = False, user: str | None = None) -> LocalRun:
         """`confined`: a job of the job service, started with `job_env` rather than this process's own
-        environment (which `clusterfit run` passes on: the user's job in the user's shell)."""
+        environment (which `clusterfit run` passes on: the user's job in the user's shell). `user`: the
+        unprivileged account it runs as (a root server's --job-user), which is given its outputs folder."""
         rendered = self.dry_run(spec)
         ship_code(spec)
         for path, content in rendered.files.items():
@@ -69,6 +71,9 @@ class LocalBackend:
             env = job_env(outputs.root, rendered.env, rendered.secret_env)
         else:
             env = {**os.environ, **rendered.env, **rendered.secret_env}
+        account = pwd.getpwnam(user) if user else None
+        if account is not None:
+            give_folder(outputs.root, account.pw_uid, account.pw_gid)
         with open(outputs.agent_log, "a") as agent_log:
             process = subprocess.Popen(
                 rendered.command,
@@ -78,6 +83,10 @@ class LocalBackend:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: a cancel reaches the agent and its helpers
                 preexec_fn=stop_with_parent,  # a launcher killed outright leaves no orphans
+                # NOTE: no supplementary groups: root's (or the server's) must not come along.
+                **(
+                    {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []} if account is not None else {}
+                ),
             )
         return LocalRun(process)
 
@@ -88,6 +97,15 @@ class LocalBackend:
     def cancel(self, ref: EngineRef) -> None:
         if _group_alive(ref):
             _stop_group(int(ref.id), lambda timeout: _wait_group_gone(ref, timeout))
+
+
+def give_folder(folder: Path, uid: int, gid: int) -> None:
+    """`folder` and everything in it belong to the job's account, which writes its logs, metrics and
+    checkpoints there (the supervisor, as root, still writes its own log and reads everything)."""
+    os.chown(folder, uid, gid)
+    for parent, folders, files in os.walk(folder):
+        for name in folders + files:
+            os.chown(os.path.join(parent, name), uid, gid, follow_symlinks=False)
 
 
 class LocalRun:

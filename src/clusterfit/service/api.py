@@ -36,7 +36,16 @@ from pydantic import BaseModel, Field
 
 from clusterfit import __version__
 from clusterfit.service.addresses import is_loopback, url_host
-from clusterfit.service.auth import SCOPES, TokenError, Verdict, acts_for, authorize, issue_token, parse_ttl
+from clusterfit.service.auth import (
+    SCOPES,
+    TokenError,
+    Verdict,
+    acts_for,
+    acts_for_everyone,
+    authorize,
+    issue_token,
+    parse_ttl,
+)
 from clusterfit.service.jobs import Refused, ServiceError, parse_state
 from clusterfit.service.local_jobs import LocalJobs
 from clusterfit.service.records import forget_secrets_of_ended_jobs
@@ -63,6 +72,9 @@ class ServerSettings:
     # A proxy in front serves HTTPS (`--tls-terminated-elsewhere`): only then is the client address it forwards
     # (X-Forwarded-For) believed; otherwise any local process could name another address to each request.
     behind_proxy: bool = False
+    # A command job runs any program the submitter writes, as the job user, on this machine: a submit token
+    # may ask for one only when the operator says so (`--allow-command-jobs`); admin tokens always may.
+    allow_command_jobs: bool = False
 
 
 def exposure_refusal(host: str, *, auth: bool, tls: bool, tls_elsewhere: bool) -> str | None:
@@ -301,7 +313,10 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
 
     @app.post("/api/jobs", status_code=201)
     def submit(request: SubmitRequest, token: Submitter) -> dict[str, Any]:
-        return jobs.submit_text(request.spec, request.overrides, request.source, owner=token.owner if token else "")
+        commands = token is None or settings.allow_command_jobs or acts_for_everyone(token)
+        return jobs.submit_text(
+            request.spec, request.overrides, request.source, owner=token.owner if token else "", commands=commands
+        )
 
     @app.get("/api/jobs")
     def list_jobs(
@@ -451,6 +466,7 @@ def serve(
     host, port = sock.getsockname()[:2]
     scheme = "https" if tls_cert else "http"
     shown = f"[{host}]" if ":" in host else host
+
     # NOTE: uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handlers it
     # found; these make that second delivery a no-op, so the maintenance thread is stopped too and we exit 0.
     # A signal that comes before uvicorn has put in its own handlers (just after "listening") lands here: it

@@ -61,7 +61,12 @@ def held_scopes(record: ApiToken) -> list[str]:
 
 def acts_for(record: ApiToken, owner: str) -> bool:
     """Whether a token may change what `owner` submitted: its own owner's jobs, or any job with `admin`."""
-    return record.owner == owner or any(grants(scope, "admin") for scope in held_scopes(record))
+    return record.owner == owner or acts_for_everyone(record)
+
+
+def acts_for_everyone(record: ApiToken) -> bool:
+    """An admin token: any owner's jobs, command jobs on any server."""
+    return any(grants(scope, "admin") for scope in held_scopes(record))
 
 
 @dataclass(frozen=True)

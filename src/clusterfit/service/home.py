@@ -9,15 +9,16 @@ HOME_ENV = "CLUSTERFIT_HOME"
 DATABASE_ENV = "CLUSTERFIT_DATABASE_URL"  # e.g. postgresql+psycopg://user@host/clusterfit
 SERVER_ENV = "CLUSTERFIT_SERVER"
 TOKEN_ENV = "CLUSTERFIT_TOKEN"
+JOB_USER_ENV = "CLUSTERFIT_JOB_USER"  # set by a root server for its supervisors: who the jobs run as
 CAPACITY_ENV = "CLUSTERFIT_CAPACITY"  # local slots; default: the cores (or GPUs) of this machine
 
 
 def service_home() -> Path:
+    """The service's folder, 0700: its database, tokens' hashes and jobs' secrets are no one else's."""
     home = Path(os.environ.get(HOME_ENV) or Path.home() / ".clusterfit").expanduser()
-    # The job store, token hashes and waiting secrets live here: its owner's alone, whatever the umask.
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if home.stat().st_mode & 0o077 and home.stat().st_uid == os.getuid():
-        home.chmod(0o700)
+    if home.stat().st_mode & 0o077 and home.stat().st_uid == os.geteuid():
+        home.chmod(0o700)  # made by an older version, or by hand
     return home
 
 

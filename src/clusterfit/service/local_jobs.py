@@ -52,9 +52,19 @@ class LocalJobs:
         """A job file of this machine, queued for the user running the command."""
         return self.enqueue(checked_spec(lambda: load_spec(spec_file, overrides)), owner=local_user())
 
-    def submit_text(self, text: str, overrides: list[str], source: str, owner: str) -> dict[str, Any]:
-        """A job file's text as a client sent it (its paths are this machine's), queued for `owner`."""
-        return self.enqueue(checked_spec(lambda: load_spec_text(text, overrides, source=source)), owner)
+    def submit_text(
+        self, text: str, overrides: list[str], source: str, owner: str, *, commands: bool = True
+    ) -> dict[str, Any]:
+        """A job file's text as a client sent it (its paths are this machine's), queued for `owner`;
+        `commands`: whether this submitter may run a command job (its own program) here."""
+        spec = checked_spec(lambda: load_spec_text(text, overrides, source=source))
+        if spec.command is not None and not commands:
+            raise Refused(
+                f"{source}: command: jobs need an admin token on this server, or the server started with "
+                "--allow-command-jobs; use the built-in trainer (trainer:), or ask its operator",
+                403,
+            )
+        return self.enqueue(spec, owner)
 
     def enqueue(self, spec: JobSpec, owner: str) -> dict[str, Any]:
         job = record_job(self.store, spec, owner=owner)

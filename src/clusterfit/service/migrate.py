@@ -47,7 +47,7 @@ def migrate(engine: Engine) -> None:
             command.upgrade(config, "head")
         return
     database = make_url(str(engine.url)).database
-    lock = FileLock(f"{database}.migrate.lock") if database and database != ":memory:" else None
+    lock = FileLock(f"{database}.migrate.lock", mode=0o600) if database and database != ":memory:" else None
     with lock if lock else contextlib.nullcontext(), engine.begin() as connection:
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
@@ -62,13 +62,10 @@ def open_store(url: str | None = None) -> JobStore:
     try:
         engine = make_engine(url)
         migrate(engine)
-    except (SQLAlchemyError, ImportError) as exc:
+    except (SQLAlchemyError, ImportError, OSError) as exc:
         shown = redact(make_url(url).render_as_string(hide_password=True) if "://" in url else url)
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise StoreUnavailable(
             f"job store {shown}: {reason}; check {DATABASE_ENV} (or unset it for the SQLite file in the service home)"
         ) from None
-    database = make_url(url).database if url.startswith("sqlite") else None
-    if database and Path(database).is_file():
-        Path(database).chmod(0o600)  # specs, owners and token hashes: not for other local users
     return JobStore(engine)

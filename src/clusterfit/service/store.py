@@ -7,6 +7,7 @@ both win, on either database, without holding locks across calls."""
 from __future__ import annotations
 
 import json
+import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from sqlalchemy import (
     select,
     update,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.types import TypeDecorator
 
@@ -131,6 +132,7 @@ def new_job_id() -> str:
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
+        _private_sqlite_file(url)
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
 
         @event.listens_for(engine, "connect")
@@ -145,6 +147,17 @@ def make_engine(url: str) -> Engine:
 
         return engine
     return create_engine(url, pool_pre_ping=True)
+
+
+def _private_sqlite_file(url: str) -> None:
+    """The database file exists, 0600, before SQLite opens it: SQLite gives its -wal and -shm files the
+    database file's permissions, so all three are their owner's only."""
+    path = make_url(url).database
+    if not path or path == ":memory:":
+        return
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    if os.stat(path).st_mode & 0o077:
+        os.chmod(path, 0o600)
 
 
 class JobStore:

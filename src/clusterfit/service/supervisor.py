@@ -39,6 +39,7 @@ from clusterfit.service.causes import (
     gather_evidence,
     oom_kill_count,
 )
+from clusterfit.service.home import JOB_USER_ENV
 from clusterfit.service.outputs_claim import OutputsClaim, claim_outputs
 from clusterfit.service.records import forget_secrets, spec_of
 from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
@@ -119,7 +120,8 @@ class Supervisor:
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
             if self.confined and backend.name == "local":
-                handle = backend.submit(spec, confined=True)  # type: ignore[call-arg]
+                user = (os.environ.get(JOB_USER_ENV) or None) if os.geteuid() == 0 else None
+                handle = backend.submit(spec, confined=True, user=user)  # type: ignore[call-arg]
             else:
                 handle = backend.submit(spec)
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
