@@ -121,7 +121,8 @@ def test_the_service_home_and_what_the_server_writes_are_their_owners_only(serve
     assert served.home.stat().st_mode & 0o777 == 0o700
     for path in served.home.glob("jobs.db*"):
         assert path.stat().st_mode & 0o777 == 0o600, path
-    for path in [*(out / "logs").iterdir(), out / "job.yaml"]:
+    assert (out / "private.txt").exists()  # its working folder is its outputs, not the server's
+    for path in [*(out / "logs").iterdir(), out / "job.yaml", out / "private.txt"]:
         assert path.stat().st_mode & 0o077 == 0, path
 
 

@@ -81,6 +81,8 @@ class LocalBackend:
                 stdout=agent_log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                # A job of the service works in its outputs folder, never in the server's working folder.
+                cwd=outputs.root if confined else None,
                 start_new_session=True,  # its own process group: a cancel reaches the agent and its helpers
                 preexec_fn=stop_with_parent,  # a launcher killed outright leaves no orphans
                 # NOTE: no supplementary groups: root's (or the server's) must not come along.
