@@ -4,9 +4,12 @@ trains, or, for a spec with `scorer:`, scores images with an exported model."""
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
+import threading
+from typing import NoReturn
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -48,5 +51,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def exit_without_teardown(code: int) -> NoReturn:
+    """Ends a worker that finished cleanly without the interpreter tearing down torch's modules and
+    libraries, which took a second per rank on 2 CPU cores (0.8 s alone, 1.3 s with its peer) while the
+    job's end waited for it. What a normal exit does that matters still happens, in its order, as
+    multiprocessing's own children do: non-daemon threads are joined, exit handlers run (DataLoader workers
+    stopped, logging flushed), then the streams are flushed."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())
