@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,41 @@ def test_each_distribution_type_gives_its_environment_on_two_local_processes(tmp
         assert f"[rank{rank}] env ok: {kind} rank {rank}/2 in code" in result.stdout
     assert (out / "code" / "env_contract.py").exists()
     assert "finished" in result.stdout
+
+
+def test_an_mpi_job_is_one_mpi_world_started_by_mpirun(tmp_path: Path) -> None:
+    """mpi4py's MPI_Init forms one world of both ranks (under torchrun each would be a world of its own), and
+    the rank's output reaches logs/rank-N.log and the console as a torchrun rank's does."""
+    out = tmp_path / "out"
+    code = user_code(tmp_path)
+    shutil.copy(REPO / "tests" / "scripts" / "mpi_allreduce.py", code)
+    job = command_job(out, code, "python mpi_allreduce.py", "mpi")
+    assert "mpirun -np 2" in run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--dry-run").stdout
+    result = run_cli("run", str(tmp_path / "job.yaml"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in range(2):
+        assert f"[rank{rank}] mpi world of 2: rank {rank} agrees on the sum 3" in result.stdout, result.stdout
+        assert f"mpi world of 2: rank {rank} agrees" in (out / "logs" / f"rank-{rank}.log").read_text()
+
+
+def test_an_mpi_job_without_mpirun_is_refused_in_one_line(tmp_path: Path) -> None:
+    from clusterfit.backends.mpi import find_mpirun
+
+    assert find_mpirun(python=str(tmp_path / "bin" / "python"), path=str(tmp_path)) is None
+    job = command_job(tmp_path / "out", user_code(tmp_path), "python x.py", "mpi")
+    interpreter = tmp_path / "bin" / "python"  # an interpreter with no mpirun beside it, and no mpirun on PATH
+    interpreter.parent.mkdir()
+    interpreter.symlink_to(shutil.which("python3") or "/usr/bin/python3")
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from clusterfit.cli import main; sys.executable = sys.argv.pop(1); main()",
+         str(interpreter), "validate", str(write_job(tmp_path / "job.yaml", job))],
+        capture_output=True, text=True, env={**os.environ, "PATH": "/nonexistent"}, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: distribution.type = 'mpi': no mpirun beside {interpreter} or on PATH; pip install "
+        "'clusterfit[mpi]' (Open MPI's mpirun and mpi4py), or install Open MPI on this machine"
+    )
 
 
 def test_a_failing_command_fails_the_job_with_its_exit_code(tmp_path: Path) -> None:

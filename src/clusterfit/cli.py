@@ -100,6 +100,7 @@ def run(
 
 def _run_in_foreground(spec: JobSpec) -> None:
     """Record the job, supervise it here with a live view, print its result; `run` and `score` both end here."""
+    from clusterfit.backends.mpi import launched_by_mpirun
     from clusterfit.monitoring.progress import LiveView
     from clusterfit.service.local_jobs import local_user
     from clusterfit.service.records import record_job
@@ -127,13 +128,14 @@ def _run_in_foreground(spec: JobSpec) -> None:
         errors.print(f"job {job.id} cancelled; every worker stopped")
         raise typer.Exit(130)
     # The cause and the failing rank's own traceback tail lead; the peers' tracebacks that followed it and
-    # torchrun's report stay in the logs.
+    # the launcher's report stay in the logs.
     cause = final.failure_cause
     where = []
     if not (cause and cause.before_any_worker):
         held = view.held_tracebacks()
         not_shown = f" (not shown here: the tracebacks of {', '.join(held)})" if held else ""
-        where = [f"every rank's log is in {out.logs}, torchrun's report in {out.agent_log.name}{not_shown}"]
+        launcher = "mpirun" if launched_by_mpirun(spec) else "torchrun"
+        where = [f"every rank's log is in {out.logs}, {launcher}'s report in {out.agent_log.name}{not_shown}"]
     detail = (final.cause_detail or "").splitlines()
     headline = f"job {spec.name} ({job.id}) failed: {cause.words if cause else 'unknown'}"
     raise _fail("\n".join([headline, *detail, *where]), 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from clusterfit.backends.local import local_gpu_count
+from clusterfit.backends.mpi import launched_by_mpirun, require_mpirun
 from clusterfit.data.folders import inspect_data, list_score_inputs, steps_per_epoch
 from clusterfit.errors import DataError, SpecError
 from clusterfit.outputs import JobOutputs
@@ -73,6 +74,8 @@ def _check_devices(spec: JobSpec) -> None:
 def _check_command_job(spec: JobSpec) -> None:
     if spec.code is not None and not Path(spec.code).is_dir():
         raise SpecError(f"code = {spec.code!r}: no such folder; give the folder holding your script (or remove code)")
+    if launched_by_mpirun(spec):
+        require_mpirun()
 
 
 def _check_scoring_job(spec: JobSpec) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
+from clusterfit.backends.mpi import launched_by_mpirun, mpi_launch_env, mpirun_command, require_mpirun
 from clusterfit.backends.torchrun import (
     resolved_spec_file,
     ship_code,
@@ -47,10 +48,13 @@ class LocalBackend:
 
     def dry_run(self, spec: JobSpec) -> Rendered:
         threads = threads_per_worker(spec.distribution.process_count_per_instance)
+        command, launcher_env = torchrun_command(spec), {}
+        if launched_by_mpirun(spec):
+            command, launcher_env = mpirun_command(spec, mpirun=require_mpirun()), mpi_launch_env()
         return Rendered(
             backend=self.name,
-            command=torchrun_command(spec),
-            env={**worker_env(threads), **spec.environment_variables},
+            command=command,
+            env={**worker_env(threads), **launcher_env, **spec.environment_variables},
             files=resolved_spec_file(spec),
             secret_env=storage_secret_env(spec),
         )

@@ -41,6 +41,7 @@ from clusterfit.backends.torchrun import (
 )
 from clusterfit.errors import ClusterfitError, EngineError, SpecError
 from clusterfit.files import write_atomically
+from clusterfit.network import free_port
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, is_running, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
@@ -270,11 +271,7 @@ class NodeAgent:
         return NodePlace(ray.util.get_node_ip_address(), sys.executable)
 
     def free_port(self) -> int:
-        # NOTE: released before torchrun binds it; another process may take it in between, which then fails the
-        # job's start with "address in use" rather than joining a wrong job.
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return sock.getsockname()[1]
+        return free_port()
 
     def start(self, command: list[str], env: dict[str, str], files: dict[str, str], log_dir: str, cwd: str) -> int:
         if not os.path.isdir(cwd):

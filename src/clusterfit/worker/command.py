@@ -5,7 +5,10 @@ It turns torchrun's environment into the one `distribution.type` promises, start
 command (exec), so the command's exit code and the signals torchrun or the engine send reach it unchanged.
 
 - pytorch: torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT as is.
-- mpi: also OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE,NODE_RANK} and PMI_RANK / PMI_SIZE.
+- mpi: on the local engine mpirun starts the ranks (one MPI world); the wrapper adds torchrun's names and
+  PMI_RANK / PMI_SIZE and sends the rank's output to logs/rank-N.log. On other engines (torchrun still places
+  the ranks) it sets OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE,NODE_RANK}, PMI_RANK and PMI_SIZE only:
+  names, not an MPI runtime.
 - tensorflow: also TF_CONFIG, with one `host:port` per rank that each rank picked and published through a
   TCPStore at MASTER_ADDR:MASTER_PORT (the store torchrun's rendezvous hands rank 0).
 """
@@ -15,14 +18,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import time
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 
+from clusterfit.network import free_port, reachable_address
 from clusterfit.outputs import ATTEMPT_ENV, LIVENESS_ENV, RANK_LOG_ENV, SPEC_ENV, JobOutputs
+from clusterfit.outputs.layout import rank_log_name
+from clusterfit.outputs.logs import rotate
 from clusterfit.spec import load_spec
 from clusterfit.worker.dist_env import read_dist_env
 from clusterfit.worker.liveness import start_liveness
@@ -43,22 +48,39 @@ def mpi_env(env: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def torchrun_names_under_mpirun(env: Mapping[str, str]) -> dict[str, str]:
+    """Under mpirun (distribution.type: mpi on the local engine), torchrun's names for the layout Open MPI
+    chose, so that the heartbeat, clusterfit.session and the user's script read one contract everywhere."""
+    if "OMPI_COMM_WORLD_RANK" not in env or "RANK" in env:
+        return {}
+    return {
+        "RANK": env["OMPI_COMM_WORLD_RANK"],
+        "WORLD_SIZE": env["OMPI_COMM_WORLD_SIZE"],
+        "LOCAL_RANK": env["OMPI_COMM_WORLD_LOCAL_RANK"],
+        "LOCAL_WORLD_SIZE": env["OMPI_COMM_WORLD_LOCAL_SIZE"],
+        "GROUP_RANK": env.get("OMPI_COMM_WORLD_NODE_RANK", "0"),
+        "PMI_RANK": env["OMPI_COMM_WORLD_RANK"],
+        "PMI_SIZE": env["OMPI_COMM_WORLD_SIZE"],
+    }
+
+
+def log_to_rank_file(outputs: JobOutputs, rank: int) -> str:
+    """What torchrun's log spec does for its workers (backends/rank_logs.py): this rank's stdout and stderr
+    go to logs/rank-N.log, the previous attempt's log kept as rank-N.log.1."""
+    path = outputs.logs / rank_log_name(rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rotate(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+    sys.stdout.flush()
+    os.dup2(fd, sys.stdout.fileno())
+    os.dup2(fd, sys.stderr.fileno())
+    os.close(fd)
+    return str(path)
+
+
 def tf_config(workers: list[str], index: int) -> str:
     """TF_CONFIG for MultiWorkerMirroredStrategy: every rank is a worker; rank 0 is the chief by convention."""
     return json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
-
-
-def reachable_address(peer_host: str, peer_port: int) -> str:
-    """This host's address on the interface that routes to the peer (loopback when the peer is local)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((peer_host, peer_port))  # UDP connect sends nothing; it only picks the route
-        return probe.getsockname()[0]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def exchange_addresses(env: Mapping[str, str], mine: str) -> list[str]:
@@ -87,7 +109,7 @@ def command_env(kind: str, env: Mapping[str, str], extra: Mapping[str, str]) -> 
     out = {**env, **extra}
     # NOTE: `python` in a command means the interpreter clusterfit runs on, whatever PATH the engine gave.
     out["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", os.defpath)])
-    if kind == "mpi":
+    if kind == "mpi" and "OMPI_COMM_WORLD_RANK" not in env:  # under torchrun: Open MPI's names, no MPI runtime
         out.update(mpi_env(env))
     elif kind == "tensorflow":
         host = reachable_address(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
@@ -104,6 +126,10 @@ def main(argv: list[str] | None = None) -> None:
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())  # as the trainer: stderr into logs/rank-N.log too
     spec = load_spec(args.spec)
     assert spec.command is not None, "clusterfit.worker.command runs command jobs only"
+    under_mpirun = torchrun_names_under_mpirun(os.environ)
+    if under_mpirun:
+        os.environ.update(under_mpirun)
+        os.environ[RANK_LOG_ENV] = log_to_rank_file(JobOutputs.at(spec.outputs.dir), int(under_mpirun["RANK"]))
     # Forked first, while this process has no other threads (the tensorflow exchange below may start some).
     attempt = int({**os.environ, **spec.environment_variables}.get(ATTEMPT_ENV, "1"))
     liveness = start_liveness(JobOutputs.at(spec.outputs.dir), read_dist_env().rank, attempt)
