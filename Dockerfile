@@ -1,13 +1,18 @@
-# The worker image: clusterfit with PyTorch, for the Kubernetes engine (and any cluster that runs containers).
-#   CPU:  docker build -t clusterfit:cpu .
-#   CUDA: docker build --build-arg VARIANT=cuda -t clusterfit:cuda .
-# The CUDA variant takes PyTorch's default Linux wheels, which bring their own CUDA and cuDNN libraries: the
-# host needs only the NVIDIA driver (and the NVIDIA container toolkit). The CPU variant takes PyTorch's CPU-only
-# wheels, a few GB smaller.
+# The worker images: clusterfit with PyTorch (and, for TensorFlow jobs, TensorFlow too), for the Kubernetes
+# engine and any cluster that runs containers. Both have Open MPI's mpirun and mpi4py (the mpi extra).
+#   PyTorch, CPU:      docker build -t clusterfit:cpu .
+#   PyTorch, CUDA:     docker build --build-arg VARIANT=cuda -t clusterfit:cuda .
+#   TensorFlow, CPU:   docker build --build-arg FRAMEWORK=tensorflow -t clusterfit:tf-cpu .
+#   TensorFlow, CUDA:  docker build --build-arg FRAMEWORK=tensorflow --build-arg VARIANT=cuda -t clusterfit:tf-cuda .
+# The CUDA variant takes PyTorch's default Linux wheels (and tensorflow[and-cuda]), which bring their own CUDA
+# and cuDNN libraries: the host needs only the NVIDIA driver (and the NVIDIA container toolkit). The CPU variant
+# takes PyTorch's CPU-only wheels and tensorflow-cpu, a few GB smaller. The TensorFlow image keeps PyTorch:
+# clusterfit's launcher is torchrun's agent whatever the job's framework.
 FROM python:3.11-slim
 
 ARG VARIANT=cpu
-ARG EXTRAS=azure,s3
+ARG FRAMEWORK=pytorch
+ARG EXTRAS=azure,s3,mpi
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
@@ -21,8 +26,16 @@ RUN set -eux; \
       cuda) ;; \
       *) echo "VARIANT must be cpu or cuda, not $VARIANT" >&2; exit 2 ;; \
     esac; \
+    case "$FRAMEWORK/$VARIANT" in \
+      pytorch/*) ;; \
+      tensorflow/cpu) pip install "tensorflow-cpu>=2.16" ;; \
+      tensorflow/cuda) pip install "tensorflow[and-cuda]>=2.16" ;; \
+      *) echo "FRAMEWORK must be pytorch or tensorflow, not $FRAMEWORK" >&2; exit 2 ;; \
+    esac; \
     pip install ".[$EXTRAS]"; \
-    python -c "import clusterfit, torch; print('clusterfit', clusterfit.__version__, 'torch', torch.__version__)"
+    python -c "import clusterfit, torch; print('clusterfit', clusterfit.__version__, 'torch', torch.__version__)"; \
+    mpirun --version | head -1; \
+    if [ "$FRAMEWORK" = tensorflow ]; then python -c "import tensorflow as tf; print('tensorflow', tf.__version__)"; fi
 
 # Relative paths in a job spec (outputs.dir, code, data) resolve here, where the engine mounts its volumes.
 WORKDIR /workspace

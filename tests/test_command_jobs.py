@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -14,10 +15,14 @@ from typing import Any
 import pytest
 from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 
+from clusterfit.outputs import JobOutputs, read_records
 from clusterfit.spec import SpecError, validate_spec
-from clusterfit.worker.command import mpi_env, tf_config
+from clusterfit.worker.command import main as command_worker
+from clusterfit.worker.command import missing_framework, mpi_env, tf_config
 
 CONTRACT_SCRIPT = REPO / "tests" / "scripts" / "env_contract.py"
+MPI_SCRIPT = REPO / "tests" / "scripts" / "mpi_allreduce.py"
+TENSORFLOW_SCRIPT = REPO / "tests" / "scripts" / "tf_multiworker.py"
 
 
 def command_job(out_dir: Path, code: Path, command: str, kind: str = "pytorch", processes: int = 2) -> dict[str, Any]:
@@ -39,8 +44,26 @@ def user_code(root: Path) -> Path:
     return code
 
 
+def framework_code(root: Path) -> Path:
+    """The contract script, the mpi4py program and the TensorFlow program, in one code folder."""
+    code = user_code(root)
+    shutil.copy(MPI_SCRIPT, code)
+    shutil.copy(TENSORFLOW_SCRIPT, code)
+    return code
+
+
 def rank_logs(out_dir: Path) -> str:
     return "\n".join(path.read_text() for path in sorted((out_dir / "logs").glob("rank-*.log")))
+
+
+def assert_one_tensorflow_cluster_learned(out_dir: Path, workers: int) -> None:
+    """Every worker of tf_multiworker.py saw all of them as replicas, ended with the same weights, and the
+    loss fell at least fourfold."""
+    reports = [json.loads(line) for line in rank_logs(out_dir).splitlines() if line.startswith('{"replicas"')]
+    assert len(reports) == workers, rank_logs(out_dir)[-3000:]
+    assert {report["replicas"] for report in reports} == {workers}
+    assert len({report["digest"] for report in reports}) == 1, reports
+    assert all(report["last"] < report["first"] / 4 for report in reports), reports
 
 
 def test_a_job_is_a_trainer_or_a_command_never_both_or_neither(tmp_path: Path) -> None:
@@ -92,15 +115,49 @@ def test_an_mpi_job_is_one_mpi_world_started_by_mpirun(tmp_path: Path) -> None:
     """mpi4py's MPI_Init forms one world of both ranks (under torchrun each would be a world of its own), and
     the rank's output reaches logs/rank-N.log and the console as a torchrun rank's does."""
     out = tmp_path / "out"
-    code = user_code(tmp_path)
-    shutil.copy(REPO / "tests" / "scripts" / "mpi_allreduce.py", code)
-    job = command_job(out, code, "python mpi_allreduce.py", "mpi")
+    job = command_job(out, framework_code(tmp_path), "python mpi_allreduce.py", "mpi")
     assert "mpirun -np 2" in run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--dry-run").stdout
     result = run_cli("run", str(tmp_path / "job.yaml"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in range(2):
         assert f"[rank{rank}] mpi world of 2: rank {rank} agrees on the sum 3" in result.stdout, result.stdout
         assert f"mpi world of 2: rank {rank} agrees" in (out / "logs" / f"rank-{rank}.log").read_text()
+
+
+def test_two_tensorflow_workers_form_one_cluster_and_train_a_keras_model(tmp_path: Path) -> None:
+    """TF_CONFIG names both workers, so MultiWorkerMirroredStrategy allreduces across them; their reports
+    reach the job's metrics through clusterfit.session."""
+    out = tmp_path / "out"
+    job = command_job(out, framework_code(tmp_path), "python tf_multiworker.py", "tensorflow")
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_one_tensorflow_cluster_learned(out, workers=2)
+    losses = [record["loss"] for record in read_records(JobOutputs.at(out).metrics) if "loss" in record]
+    assert len(losses) == 4 * 8 and losses[-1] < losses[0] / 4  # 4 epochs of 8 global batches, from rank 0
+
+
+def test_a_tensorflow_job_without_tensorflow_stops_at_start_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # what `import tensorflow` finds when it is not installed
+    assert missing_framework("tensorflow", "bash train.sh") is None  # another program: not ours to judge
+    assert missing_framework("pytorch", "python train.py") is None
+    job = command_job(tmp_path / "out", user_code(tmp_path), "python train.py", "tensorflow")
+    spec = write_job(tmp_path / "job.yaml", job)
+    with pytest.raises(SystemExit) as stopped:
+        command_worker(["--spec", str(spec)])
+    assert str(stopped.value) == (
+        f"error: distribution.type = 'tensorflow': TensorFlow is not installed for {sys.executable}; "
+        "pip install 'clusterfit[tensorflow]' (or tensorflow) in the workers' environment"
+    )
+
+
+def test_parameter_server_training_is_refused_in_one_line(tmp_path: Path) -> None:
+    job = command_job(tmp_path / "out", user_code(tmp_path), "python x.py", "tensorflow")
+    job["distribution"]["parameter_server_count"] = 1
+    result = run_cli("validate", str(write_job(tmp_path / "job.yaml", job)))
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "distribution.parameter_server_count: 1: parameter-server training is not supported; set 0" in result.stderr
 
 
 def test_an_mpi_job_without_mpirun_is_refused_in_one_line(tmp_path: Path) -> None:

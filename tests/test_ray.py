@@ -17,7 +17,7 @@ import pytest
 from azurite import free_port
 from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 from raycluster import RayCluster
-from test_command_jobs import command_job, user_code
+from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job, framework_code, user_code
 from test_session import session_job
 
 from clusterfit.backends.ray import AgentState, job_exit_code
@@ -287,10 +287,14 @@ def test_a_command_job_gets_its_environment_on_two_ray_nodes(
 ) -> None:
     """The user-script contract of each distribution.type holds across two Ray nodes (1 process each)."""
     out = tmp_path / "out"
-    job = command_job(out, user_code(tmp_path), f"python env_contract.py {kind}", kind, processes=1)
+    job = command_job(out, framework_code(tmp_path), f"python env_contract.py {kind}", kind, processes=1)
+    if kind == "tensorflow":  # and a real cluster of both workers
+        job["command"] += " && python tf_multiworker.py"
     stdout = _run_to_success(ray_cluster, write_job(tmp_path / "job.yaml", job))
     for rank in range(2):
         assert f"[rank{rank}] env ok: {kind} rank {rank}/2 in code" in stdout, stdout[-3000:]
+    if kind == "tensorflow":
+        assert_one_tensorflow_cluster_learned(out, workers=2)
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
     assert not _job_processes(out)
 

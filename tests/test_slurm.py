@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, cli_command, exported_weights, run_cli, tiny_job, wait_for, write_job
 from slurm_cluster import SlurmCluster, missing_reason
-from test_command_jobs import command_job, rank_logs, user_code
+from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job, framework_code, rank_logs
 from test_session import final_values, session_job
 
 from clusterfit.backends.slurm import SCRIPT, sbatch_script
@@ -90,13 +90,24 @@ def test_example_job_runs_to_completion_on_slurm(slurm: SlurmCluster, tmp_path: 
 
 @pytest.mark.parametrize("kind", ["pytorch", "mpi", "tensorflow"])
 def test_command_job_gets_its_environment_on_slurm(slurm: SlurmCluster, tmp_path: Path, kind: str) -> None:
-    """The user-script contract of each distribution.type holds under sbatch (1 node x 2 processes)."""
+    """The user-script contract of each distribution.type holds under sbatch (1 node x 2 processes), and the
+    frameworks' own programs form one world: mpi4py's under mpirun, TensorFlow's from TF_CONFIG."""
     out = tmp_path / "out"
-    job = command_job(out, user_code(tmp_path), f"python env_contract.py {kind}", kind)
+    job = command_job(out, framework_code(tmp_path), f"python env_contract.py {kind}", kind)
+    if kind == "mpi":  # and one MPI world of both ranks, started by mpirun inside the allocation
+        job["command"] += " && python mpi_allreduce.py"
+    if kind == "tensorflow":  # and a real cluster of both workers
+        job["command"] += " && python tf_multiworker.py"
     result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--backend", "slurm", cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in range(2):
         assert f"env ok: {kind} rank {rank}/2 in code" in rank_logs(out)
+    if kind == "mpi":
+        assert "mpirun -np 2 --map-by ppr:2:node:OVERSUBSCRIBE" in (out / "slurm" / "job.sbatch").read_text()
+        for rank in range(2):
+            assert f"mpi world of 2: rank {rank} agrees on the sum 3" in rank_logs(out)
+    if kind == "tensorflow":
+        assert_one_tensorflow_cluster_learned(out, workers=2)
 
 
 def _long_job(out: Path) -> dict:

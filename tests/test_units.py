@@ -208,3 +208,13 @@ def test_export_refuses_a_folder_that_is_not_an_exported_model(tmp_path: Path) -
     assert result.stderr.strip().splitlines() == [
         f"error: {tmp_path}: no model_card.json; pass the model/ folder of a finished job"
     ]
+
+
+def test_the_progress_line_shows_a_user_s_epoch_report_without_a_loss() -> None:
+    """A script's report may carry the trainer's epoch and images/s names without its loss."""
+    from clusterfit.monitoring.progress import _train_stats
+
+    trainer = {"kind": "train", "step": 7, "epoch": 1, "loss": 0.25, "images_per_s": 12.0}
+    assert _train_stats(trainer) == "epoch 1 loss 0.250 12.0 img/s"
+    user = {"kind": "train", "step": 7, "epoch": 1, "images_per_s": 12.5}
+    assert _train_stats(user) == "epoch 1 images_per_s 12.5"

@@ -74,7 +74,7 @@ def _check_devices(spec: JobSpec) -> None:
 def _check_command_job(spec: JobSpec) -> None:
     if spec.code is not None and not Path(spec.code).is_dir():
         raise SpecError(f"code = {spec.code!r}: no such folder; give the folder holding your script (or remove code)")
-    if launched_by_mpirun(spec):
+    if launched_by_mpirun(spec) and spec.resources.backend == "local":  # Slurm's nodes bring their own
         require_mpirun()
 
 

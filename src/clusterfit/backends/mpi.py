@@ -1,4 +1,5 @@
-"""`distribution.type: mpi` on the local engine: Open MPI's `mpirun` places the ranks instead of torchrun.
+"""`distribution.type: mpi` on the local and Slurm engines: Open MPI's `mpirun` places the ranks instead of
+torchrun (under Slurm inside the sbatch allocation, whose nodes mpirun reads from Slurm and reaches with srun).
 
 MPI_Init forms one world only under an MPI launcher's runtime (PMIx); rank variables alone give every process
 a world of its own. So the launcher is mpirun, and each rank runs the same command-job wrapper as under
@@ -19,10 +20,13 @@ from clusterfit.spec.model import JobSpec
 INSTALL_HINT = "pip install 'clusterfit[mpi]' (Open MPI's mpirun and mpi4py), or install Open MPI on this machine"
 
 
+MPIRUN_ENGINES = ("local", "slurm")
+
+
 def launched_by_mpirun(spec: JobSpec) -> bool:
-    """Whether mpirun, not torchrun, starts this job's ranks (other engines still place mpi jobs with torchrun
-    and Open MPI's rank names only)."""
-    return spec.distribution.type == "mpi" and spec.resources.backend == "local"
+    """Whether mpirun, not torchrun, starts this job's ranks (Ray and Kubernetes still place mpi jobs with
+    torchrun, with Open MPI's rank names only)."""
+    return spec.distribution.type == "mpi" and spec.resources.backend in MPIRUN_ENGINES
 
 
 def find_mpirun(python: str | None = None, path: str | None = None) -> str | None:
@@ -41,18 +45,19 @@ def require_mpirun() -> str:
 
 
 def mpirun_command(spec: JobSpec, *, mpirun: str, python: str = sys.executable) -> list[str]:
-    """All ranks of a one-node job under one mpirun. Ranks are not bound to cores (the OS spreads them, as
-    under torchrun) and may outnumber the cores, as torchrun's may."""
-    ranks = spec.distribution.process_count_per_instance
+    """All ranks of the job under one mpirun: `process_count_per_instance` on each of `instance_count` nodes.
+    Ranks are not bound to cores (the OS spreads them, as under torchrun) and may outnumber the cores or the
+    allocation's slots, as torchrun's may."""
+    per_node = spec.distribution.process_count_per_instance
     # NOTE: Open MPI refuses root without this flag; a root server's jobs run as --job-user, and a user who
     # runs jobs as root has chosen to.
     as_root = ["--allow-run-as-root"] if os.geteuid() == 0 else []
     return [
         mpirun,
         "-np",
-        str(ranks),
+        str(per_node * spec.resources.instance_count),
         "--map-by",
-        ":OVERSUBSCRIBE",
+        f"ppr:{per_node}:node:OVERSUBSCRIBE",
         "--bind-to",
         "none",
         *as_root,

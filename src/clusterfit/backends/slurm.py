@@ -1,5 +1,7 @@
 """Slurm: one sbatch job of `instance_count` nodes; `srun` starts torchrun's agent once per node, and the
-agents meet in a c10d rendezvous on the first node of the allocation.
+agents meet in a c10d rendezvous on the first node of the allocation. An mpi job's ranks are started by one
+Open MPI `mpirun` instead, which reads the allocation from Slurm and starts its daemons on the other nodes
+through srun.
 
 outputs.dir must be on a filesystem every node shares (each rank writes logs/rank-N.log there, rank 0 the
 checkpoints and the model), and so must `code` of a command job, which is copied into outputs.dir."""
@@ -15,6 +17,7 @@ import time
 from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.mpi import find_mpirun, launched_by_mpirun, mpirun_command
 from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import (
     resolved_spec_file,
@@ -91,10 +94,7 @@ def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
     directives += slurm.extra_sbatch_args
     env = {key: value for key, value in worker_env(1).items() if key != "OMP_NUM_THREADS"}
     env.update(spec.environment_variables)
-    agent = shlex.join(
-        torchrun_command(spec, python=python, rdzv_endpoint=f"{_HEAD}:{_PORT}", run_id="__JOB_ID__")
-    ).replace(f"{_HEAD}:{_PORT}", '"$head_node:$rdzv_port"')
-    agent = agent.replace("__JOB_ID__", '"$SLURM_JOB_ID"')
+    launch = _mpirun_lines(spec, python) if launched_by_mpirun(spec) else _agent_lines(spec, python)
     lines = [
         "#!/bin/bash",
         f"# clusterfit job {spec.name}: {res.instance_count} node(s) x {nproc} process(es), written by clusterfit run",
@@ -109,17 +109,42 @@ def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
         "# Before the time limit Slurm signals this shell: the workers checkpoint and stop,",
         "# and the job is requeued to resume from that checkpoint.",
         "stop_requested=0",
-        f"trap 'stop_requested=1; scancel --signal={CHECKPOINT_SIGNAL} \"$SLURM_JOB_ID\"' {CHECKPOINT_SIGNAL}",
-        # The agent ignores the signal (its default would kill it); the workers it starts set their own handler.
-        f'srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \'trap "" {CHECKPOINT_SIGNAL}; exec "$@"\' agent \\',
-        f"    {agent} &",
-        "agent_pid=$!",
+        *launch,
         "# A trapped signal interrupts `wait` (status > 128) while the agent still runs: wait again.",
         'while true; do wait "$agent_pid"; code=$?; kill -0 "$agent_pid" 2>/dev/null || break; done',
         'if [ "$stop_requested" = 1 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _agent_lines(spec: JobSpec, python: str) -> list[str]:
+    """One torchrun agent per node through srun; the signal reaches the workers as a signal to every step."""
+    agent = shlex.join(
+        torchrun_command(spec, python=python, rdzv_endpoint=f"{_HEAD}:{_PORT}", run_id="__JOB_ID__")
+    ).replace(f"{_HEAD}:{_PORT}", '"$head_node:$rdzv_port"')
+    agent = agent.replace("__JOB_ID__", '"$SLURM_JOB_ID"')
+    return [
+        f"trap 'stop_requested=1; scancel --signal={CHECKPOINT_SIGNAL} \"$SLURM_JOB_ID\"' {CHECKPOINT_SIGNAL}",
+        # The agent ignores the signal (its default would kill it); the workers it starts set their own handler.
+        f'srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \'trap "" {CHECKPOINT_SIGNAL}; exec "$@"\' agent \\',
+        f"    {agent} &",
+        "agent_pid=$!",
+    ]
+
+
+def _mpirun_lines(spec: JobSpec, python: str) -> list[str]:
+    """One mpirun in the batch shell for every rank of the allocation. It forwards SIGUSR1 to the ranks itself
+    (the ranks on this node are its children, not a job step that scancel could signal)."""
+    # NOTE: the mpirun beside the interpreter (the mpi extra, on the shared filesystem), else the nodes' own.
+    mpirun = find_mpirun(python, path="") or "mpirun"
+    command = shlex.join(mpirun_command(spec, mpirun=mpirun, python=python))
+    return [
+        'export MASTER_ADDR="$head_node" MASTER_PORT="$rdzv_port"  # for torch.distributed in the ranks',
+        f"trap 'stop_requested=1; kill -{CHECKPOINT_SIGNAL} \"$agent_pid\"' {CHECKPOINT_SIGNAL}",
+        f"{command} &",
+        "agent_pid=$!",
+    ]
 
 
 class SlurmBackend:

@@ -65,7 +65,7 @@ class LiveView:
 
 def _train_stats(record: dict[str, Any]) -> str:
     """The trainer's epoch, loss and images/s; a user script's own metrics as they come."""
-    if "epoch" in record and "images_per_s" in record:
+    if {"epoch", "loss", "images_per_s"} <= record.keys():
         return f"epoch {record['epoch']} loss {record['loss']:.3f} {record['images_per_s']:.1f} img/s"
     shown = {key: value for key, value in record.items() if key not in ("kind", "step", "time", "total_steps")}
     return metrics_text(shown, " ")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,6 +18,11 @@ class MetricSink(Protocol):
 
 class TensorBoardSink:
     def __init__(self, log_dir: Path) -> None:
+        # NOTE: tensorboard writes event files through TensorFlow when it is installed (the tensorflow extra),
+        # which costs each rank seconds and hundreds of MB to import; `tensorboard.compat.notf` is tensorboard's
+        # own switch to the stub it ships. A program that already imported TensorFlow keeps it.
+        if "tensorflow" not in sys.modules:
+            sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
         from torch.utils.tensorboard import SummaryWriter  # imported lazily: it pulls in tensorboard
 
         self._writer = SummaryWriter(log_dir=str(log_dir))

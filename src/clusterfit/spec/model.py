@@ -379,6 +379,21 @@ class DistributionSpec(_Strict):
     )
     process_count_per_instance: int = Field(1, ge=1, le=1024)
     max_restarts: int = Field(0, ge=0, description="times torchrun restarts all workers after a failure")
+    parameter_server_count: int = Field(
+        0, ge=0, description="tensorflow: parameter-server tasks; only 0 (every process is a worker) is supported"
+    )
+
+    @field_validator("parameter_server_count")
+    @classmethod
+    def _no_parameter_servers(cls, count: int) -> int:
+        # NOTE: TF_CONFIG names every process a worker, for MultiWorkerMirroredStrategy; parameter-server
+        # training also needs a coordinator that places ps tasks, which no engine here starts.
+        if count:
+            raise ValueError(
+                f"{count}: parameter-server training is not supported; set 0 and use "
+                "tf.distribute.MultiWorkerMirroredStrategy (every process is a worker)"
+            )
+        return count
 
 
 class SlurmSpec(_Strict):

@@ -16,8 +16,10 @@ command (exec), so the command's exit code and the signals torchrun or the engin
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import shlex
 import sys
 import time
 from collections.abc import Mapping
@@ -105,6 +107,19 @@ def exchange_addresses(env: Mapping[str, str], mine: str) -> list[str]:
     return addresses
 
 
+TENSORFLOW_HINT = "pip install 'clusterfit[tensorflow]' (or tensorflow) in the workers' environment"
+
+
+def missing_framework(kind: str, command: str) -> str | None:
+    """One line naming what a tensorflow job lacks, when its command runs clusterfit's own interpreter
+    (`python ...`) and TensorFlow is not importable there; None when nothing is known to be missing."""
+    words = shlex.split(command)
+    runs_this_python = bool(words) and words[0] in {"python", "python3"}
+    if kind != "tensorflow" or not runs_this_python or importlib.util.find_spec("tensorflow") is not None:
+        return None
+    return f"distribution.type = 'tensorflow': TensorFlow is not installed for {sys.executable}; {TENSORFLOW_HINT}"
+
+
 def command_env(kind: str, env: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:
     out = {**env, **extra}
     # NOTE: `python` in a command means the interpreter clusterfit runs on, whatever PATH the engine gave.
@@ -126,6 +141,9 @@ def main(argv: list[str] | None = None) -> None:
         os.dup2(sys.stdout.fileno(), sys.stderr.fileno())  # as the trainer: stderr into logs/rank-N.log too
     spec = load_spec(args.spec)
     assert spec.command is not None, "clusterfit.worker.command runs command jobs only"
+    missing = missing_framework(spec.distribution.type, spec.command)
+    if missing:
+        sys.exit(f"error: {missing}")
     under_mpirun = torchrun_names_under_mpirun(os.environ)
     if under_mpirun:
         os.environ.update(under_mpirun)
