@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -21,6 +22,13 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
 
 
 def _last_epoch_rate(out: Path) -> float:
@@ -86,7 +94,7 @@ def main() -> None:
                 )
     print(
         f"\nResNet-50, {args.image_size}x{args.image_size}, batch {args.batch} per worker, fp32, "
-        f"{platform.processor() or platform.machine()}, {args.rounds} rounds"
+        f"{cpu_model()} ({os.cpu_count()} cores), {args.rounds} rounds"
     )
     print("| framework | workers | median images/s | runs | TF ÷ PyTorch |")
     print("|---|---|---|---|---|")

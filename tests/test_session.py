@@ -222,6 +222,28 @@ def test_the_keras_callback_reports_every_batch(tmp_path: Path) -> None:
     assert all(record["loss"] > 0 for record in records)
 
 
+def test_the_keras_callback_checkpoints_each_epoch_and_a_restarted_fit_resumes(tmp_path: Path) -> None:
+    """The first attempt dies as epoch 2 begins; the retry restores the model and the optimizer's state from
+    epoch 1's checkpoint and goes on from epoch 2, its steps continuing the first attempt's."""
+    spec = session_job(
+        tmp_path,
+        "keras",
+        "python keras_user.py --epochs 4 --checkpoint --kill-at-epoch 2",
+        environment_variables={"KERAS_BACKEND": "torch"},
+        distribution={"type": "pytorch", "process_count_per_instance": 1},
+        limits={"max_retries": 1},
+    )
+    shutil.copy(REPO / "tests" / "scripts" / "keras_user.py", tmp_path / "code")
+    result = run_cli("run", str(spec))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "attempt 1 starts at epoch 0 after 0 optimizer steps" in result.stdout
+    assert "attempt 2 starts at epoch 2 after 8 optimizer steps" in result.stdout  # 4 batches x 2 epochs
+    out = JobOutputs.at(tmp_path / "keras")
+    steps = [record["step"] for record in read_records(out.metrics) if "loss" in record]
+    assert steps == list(range(16)), steps
+    assert sorted(path.name for path in out.checkpoints.glob("step-*")) == ["step-00000002", "step-00000003"]
+
+
 def test_a_cancel_reaches_should_stop_and_the_script_checkpoints_before_it_ends(tmp_path: Path) -> None:
     job_id = submit(session_job(tmp_path, "cancelled", "python session_user.py --steps 1000 --every 1000 --sleep 0.2"))
     out = JobOutputs.at(tmp_path / "cancelled")

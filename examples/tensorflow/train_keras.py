@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -52,6 +53,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args()
 
+    # clusterfit gives each worker its share of the node's cores in OMP_NUM_THREADS; TensorFlow's own thread
+    # pools would otherwise each take every core, and the workers of a node would fight over them.
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0"))
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     ctx = session.context()
     global_batch = args.batch_size * strategy.num_replicas_in_sync
