@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from filelock import FileLock
@@ -93,3 +94,22 @@ class Azurite:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+
+def serving(location: Path, container: str) -> Iterator[Azurite]:
+    """For a fixture: a running Azurite with `container`, its connection string in AZURE_STORAGE_CONNECTION_STRING
+    meanwhile; the test is skipped where Azurite cannot run."""
+    import pytest
+    from azure.storage.blob import BlobServiceClient
+    from services import skip_reason
+
+    reason = skip_reason("azurite")
+    if reason is not None:
+        pytest.skip(reason)
+    server = Azurite(location)
+    server.start()
+    BlobServiceClient.from_connection_string(server.connection_string()).create_container(container)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string())
+        yield server
+    server.stop()

@@ -5,27 +5,35 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from azure.storage.blob import BlobServiceClient
+from azurite import Azurite, serving
 from conftest import (
     REPO,
     cli_command,
     exported_weights,
     kill_after_first_checkpoint,
     max_abs_difference,
+    processes_mentioning,
     run_cli,
     tiny_job,
+    wait_for,
     wait_for_first_checkpoint,
     write_job,
 )
 from PIL import Image
 
 from clusterfit.models import build_model
+from clusterfit.outputs import FAULT_ENV
 from clusterfit.scoring import load_classifier
+from clusterfit.storage.filesystems import cache_folder
 
 
 def _run_ok(job: Path) -> subprocess.CompletedProcess[str]:
@@ -82,6 +90,73 @@ def test_killed_job_resumes_to_the_same_weights(tmp_path: Path, straight_run: Pa
     assert max_abs_difference(exported_weights(out), exported_weights(straight_run)) < 1e-6
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 16
+
+
+@pytest.fixture(scope="module")
+def outputs_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
+    yield from serving(tmp_path_factory.mktemp("azurite"), "outputs")
+
+
+def _stored(store: Azurite, prefix: str) -> dict[str, bytes]:
+    container = BlobServiceClient.from_connection_string(store.connection_string()).get_container_client("outputs")
+    blobs = container.list_blobs(name_starts_with=prefix + "/")
+    return {b.name[len(prefix) + 1 :]: container.download_blob(b.name).readall() for b in blobs}
+
+
+def _names(store: Azurite, prefix: str = "resumed") -> set[str]:
+    container = BlobServiceClient.from_connection_string(store.connection_string()).get_container_client("outputs")
+    return {b.name[len(prefix) + 1 :] for b in container.list_blobs(name_starts_with=prefix + "/")}
+
+
+def test_outputs_at_a_url_outlive_the_machine_and_the_rerun_resumes_from_the_store(
+    tmp_path: Path, straight_run: Path, outputs_store: Azurite
+) -> None:
+    """outputs.dir: az://...: the job works in a local copy that the store follows. Killed once a checkpoint is
+    in the store, its local copy deleted (a fresh machine), the rerun resumes from the store and ends with the
+    straight run's weights; show and logs read the store once the local copy is gone again."""
+    url, cache = "az://outputs/resumed", tmp_path / "cache"
+    spec = tiny_job(tmp_path / "unused", **RESUME_SETTINGS)
+    spec["outputs"] = {"dir": url, "cache_dir": str(cache), "upload_every_s": 0.2}
+    job = write_job(tmp_path / "job.yaml", spec)
+    # The first run makes no progress after step 10 (its checkpoint of step 9 published), like a machine lost.
+    stalls = write_job(tmp_path / "stalls.yaml", {**spec, "environment_variables": {FAULT_ENV: "hang:rank=0:step=10"}})
+    local = cache_folder(url, cache)
+    launcher = subprocess.Popen(
+        cli_command("run", str(stalls)), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    wait_for(
+        lambda: launcher.poll() is not None or "checkpoints/step-00000009/manifest.json" in _names(outputs_store),
+        180,
+        "the checkpoint of step 9 in the store",
+    )
+    assert launcher.poll() is None, "the job ended before its checkpoint reached the store"
+    launcher.kill()
+    launcher.wait()
+    wait_for(lambda: not processes_mentioning(str(local)), 60, "the killed job's processes to end")
+    records_before = _stored(outputs_store, "resumed")["metrics.jsonl"].splitlines()
+    steps_before = [json.loads(line)["step"] for line in records_before]
+    shutil.rmtree(cache)
+
+    rerun = _run_ok(job)
+    assert re.search(r"outputs: \d+ files from az://outputs/resumed, checkpoint step-00000009", rerun.stdout)
+    assert "resuming from" in rerun.stdout
+    assert max_abs_difference(exported_weights(local), exported_weights(straight_run)) < 1e-6
+    stored = _stored(outputs_store, "resumed")
+    expected = {"job.yaml", "summary.json", "metrics.jsonl", "model/model.safetensors", "logs/rank-0.log"}
+    assert expected <= set(stored)
+    assert stored["model/model.safetensors"] == (local / "model" / "model.safetensors").read_bytes()
+    kept = sorted({name.split("/")[1] for name in stored if name.startswith("checkpoints/step-")})
+    assert kept == ["step-00000015", "step-00000016"], "checkpoints rotated away here leave the store too"
+    steps = [json.loads(line)["step"] for line in stored["metrics.jsonl"].splitlines()]
+    assert steps[: len(steps_before)] == steps_before and steps[-1] == 16, "the first attempt's records are kept"
+
+    job_id = re.search(r"^job (\w+) ", rerun.stdout, re.MULTILINE).group(1)
+    shutil.rmtree(cache)  # read from another machine
+    show = run_cli("show", job_id)
+    assert show.returncode == 0, show.stderr
+    assert f"(a copy of {url})" in show.stdout and "summary: [" in show.stdout
+    logs = run_cli("logs", job_id)
+    assert "rank 0 of 2" in logs.stdout and "rank 1 of 2" in logs.stdout
 
 
 def test_async_checkpoints_resume_to_the_same_weights_as_sync_ones(tmp_path: Path, straight_run: Path) -> None:

@@ -126,11 +126,11 @@ SAS = "sv=2024-05-04&ss=b&srt=co&sp=rl&se=2030-01-01&sig=Zm9vYmFy%2BYmF6cXV4%3D"
     ],
 )
 def test_a_sas_token_is_masked_in_any_form(shown: str) -> None:
-    from clusterfit.data.staging import Credentials, _diagnose
+    from clusterfit.storage.filesystems import Credentials, diagnose
 
     masked = redact(f"storage said: {shown}", [SAS])
     assert "Zm9vYmFy" not in masked and "***" in masked
-    problem = _diagnose(ValueError(f"storage said: {shown}"), Credentials(sas_token=SAS))
+    problem = diagnose(ValueError(f"storage said: {shown}"), Credentials(sas_token=SAS))
     assert "Zm9vYmFy" not in problem.text
 
 

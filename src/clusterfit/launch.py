@@ -14,12 +14,16 @@ from clusterfit.outputs.layout import WEIGHTS_FILE, model_card_file
 from clusterfit.outputs.model_card import read_model_card
 from clusterfit.outputs.predictions import ScorePlan, check_plan, plan_chunk_size, require_pyarrow
 from clusterfit.spec.model import JobSpec, is_url
+from clusterfit.storage.filesystems import credentials
+from clusterfit.storage.outputs_mirror import check_store
 
 
 def preflight(spec: JobSpec) -> None:
     """Raise DataError for data that is missing or unusable, SpecError for too little data for one step and for
     outputs holding another job's checkpoints, and for devices the workers will not have."""
     _check_devices(spec)
+    if is_url(spec.outputs.dir):
+        check_store(spec.outputs.dir, credentials(spec.storage))
     if spec.resources.backend == "kubernetes":
         return  # paths name places inside the pods (image, mounted claims), not on this machine
     if spec.scorer is not None:

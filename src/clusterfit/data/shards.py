@@ -84,7 +84,7 @@ class RemoteShards:
         return {**self.__dict__, "_fs": None}
 
     def filesystem(self) -> tuple[Any, str]:
-        from clusterfit.data.staging import open_filesystem
+        from clusterfit.storage.filesystems import open_filesystem
 
         if self._fs is None or self._fs[0] != os.getpid():
             fs, root = open_filesystem(self.url, self.creds)
@@ -148,9 +148,9 @@ def read_remote_index(url: str, creds: Any) -> PackedIndex:
     try:
         text = source.read_text(INDEX)
     except Exception as exc:  # noqa: BLE001 - every storage backend raises its own types
-        from clusterfit.data.staging import _say
+        from clusterfit.storage.filesystems import say
 
-        raise ShardError(f"{url}/{INDEX}: {_say(exc, creds)}") from None
+        raise ShardError(f"{url}/{INDEX}: {say(exc, creds)}") from None
     return parse_index(text, source, f"{url}/{INDEX}")
 
 

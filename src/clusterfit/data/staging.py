@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -26,12 +25,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clusterfit.errors import DataError
 from clusterfit.files import write_atomically
-from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV
 from clusterfit.spec.model import JobSpec, StorageSpec, is_url
 from clusterfit.storage.checksums import sha256_of
-from clusterfit.storage.redact import redact
+from clusterfit.storage.filesystems import (
+    Credentials,
+    StorageError,
+    cache_folder,
+    credentials,
+    open_filesystem,
+    public,
+    storage_error,
+)
 
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
@@ -40,21 +45,9 @@ DATA_DIR = "data"
 _CHUNK = 4 << 20
 
 
-class StagingError(DataError):
+class StagingError(StorageError):
     """Staging failed; one line naming the URL, what went wrong and what to do. Nothing staged is lost.
     Retryable when the storage service did not answer, or the copy stopped halfway: running again resumes."""
-
-
-@dataclass(frozen=True)
-class Credentials:
-    """Only what the spec may say; anything else comes from the environment (AZURE_STORAGE_*, AWS_*)."""
-
-    account_name: str | None = None
-    endpoint: str | None = None
-    sas_token: str | None = None
-
-    def secrets(self) -> list[str]:
-        return [s for s in (self.sas_token, os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")) if s]
 
 
 @dataclass
@@ -73,39 +66,6 @@ class StageReport:
     @property
     def mb_per_s(self) -> float:
         return self.copied_bytes / 1e6 / max(self.seconds, 1e-9)
-
-
-def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
-    """(fsspec filesystem, path inside it). Filesystems are never shared between credentials."""
-    import fsspec
-
-    protocol = url.split("://", 1)[0].lower()
-    options: dict[str, Any] = {"skip_instance_cache": True}
-    if protocol in ("az", "abfs", "abfss"):
-        if creds.endpoint and creds.sas_token:
-            options["connection_string"] = f"BlobEndpoint={creds.endpoint};SharedAccessSignature={creds.sas_token}"
-        else:
-            if creds.account_name:
-                options["account_name"] = creds.account_name
-            if creds.sas_token:
-                options["sas_token"] = creds.sas_token
-    elif protocol in ("s3", "s3a") and creds.endpoint:
-        options["client_kwargs"] = {"endpoint_url": creds.endpoint}
-    try:
-        fs, path = fsspec.core.url_to_fs(url, **options)
-    except ImportError as exc:
-        package = {"az": "adlfs", "abfs": "adlfs", "abfss": "adlfs", "s3": "s3fs", "s3a": "s3fs"}.get(protocol, "")
-        hint = f"pip install {package}" if package else "install the fsspec implementation for it"
-        raise StagingError(f"{url}: no filesystem for {protocol}:// ({exc}); {hint}", retryable=False) from None
-    except (ValueError, OSError) as exc:
-        raise _storage_error(url, exc, creds) from None
-    return fs, path.rstrip("/")
-
-
-def cache_folder(url: str, cache_dir: str | Path) -> Path:
-    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", url.rstrip("/").split("://")[-1])[-48:].strip("_")
-    return Path(cache_dir).expanduser() / f"{name}-{digest}"
 
 
 def stage(
@@ -193,7 +153,7 @@ def _stage_locked(
     files = {rel: journal[rel] for rel in sorted(listing)}
     if any(rel not in journal for rel in listing):  # pragma: no cover - every copy either raised or journaled
         raise StagingError(f"{url}: some files were not copied; run again to resume", retryable=True)
-    write_atomically(target / MANIFEST, json.dumps({"url": _public(url), "files": files}, indent=1))
+    write_atomically(target / MANIFEST, json.dumps({"url": public(url), "files": files}, indent=1))
     (target / JOURNAL).unlink(missing_ok=True)
     report.files, report.bytes = len(files), sum(e["bytes"] for e in files.values())
 
@@ -202,7 +162,7 @@ def _list(fs: Any, root: str, url: str, creds: Credentials) -> dict[str, int]:
     try:
         found = fs.find(root, detail=True)
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types; all become one line
-        raise _storage_error(url, exc, creds) from None
+        raise storage_error(url, exc, creds, kind=StagingError) from None
     listing = {}
     for path, info in found.items():
         if info.get("type") == "directory":
@@ -258,7 +218,7 @@ def _copy_one(fs: Any, remote: str, local: Path, size: int, url: str, creds: Cre
                 fetched += len(block)
     except Exception as exc:  # noqa: BLE001 - connection errors of every backend; the .part file is kept
         stopped = f"{url}: copying {remote.rsplit('/', 1)[-1]} stopped"
-        raise _storage_error(stopped, exc, creds, then="; run again to resume") from None
+        raise storage_error(stopped, exc, creds, then="; run again to resume", kind=StagingError) from None
     if have + fetched != size:  # the object changed while it was copied: the next run copies the new one
         raise StagingError(
             f"{url}: {remote} has {have + fetched} bytes, the listing said {size}; run again", retryable=True
@@ -276,49 +236,6 @@ def _verify_all(data: Path, files: dict[str, dict[str, Any]], workers: int) -> s
 
     with ThreadPoolExecutor(max(1, workers)) as pool:
         return {rel for rel in pool.map(bad, files.items()) if rel}
-
-
-@dataclass(frozen=True)
-class _StorageProblem:
-    text: str  # one short line, without secrets, with the fix when known
-    unreachable: bool  # the service did not answer (rather than answering no): it may answer later
-
-
-def _diagnose(exc: BaseException, creds: Credentials) -> _StorageProblem:
-    """What an exception from any storage SDK means."""
-    name = type(exc).__name__
-    text = redact(" ".join(str(exc).split()), creds.secrets())
-    lowered = f"{name} {text}".lower()
-    if "authenticat" in lowered or "signature" in lowered or "authorizationfailure" in lowered:
-        return _StorageProblem(
-            "access denied: the credentials were refused (authentication failed); check storage.sas_token or "
-            "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_KEY",
-            unreachable=False,
-        )
-    if "authorizationpermissionmismatch" in lowered or "403" in lowered or "permission" in lowered:
-        return _StorageProblem(
-            "access denied: these credentials may not do this (a read-only SAS token?)", unreachable=False
-        )
-    if "connect" in lowered or "timeout" in lowered or "timed out" in lowered:
-        return _StorageProblem(f"cannot reach the storage service ({name})", unreachable=True)
-    if isinstance(exc, FileNotFoundError) or "notfound" in lowered.replace(" ", "") or "does not exist" in lowered:
-        return _StorageProblem("not found; check the container and path", unreachable=False)
-    return _StorageProblem(f"{name}: {text[:200]}", unreachable=False)
-
-
-def _say(exc: BaseException, creds: Credentials) -> str:
-    """An exception from any storage SDK as one short line, without secrets, with the fix when known."""
-    return _diagnose(exc, creds).text
-
-
-def _storage_error(where: str, exc: BaseException, creds: Credentials, then: str = "") -> StagingError:
-    """`where: <what went wrong>then`, retryable when the storage service could not be reached."""
-    problem = _diagnose(exc, creds)
-    return StagingError(f"{where}: {problem.text}{then}", retryable=problem.unreachable)
-
-
-def _public(url: str) -> str:
-    return url.split("?", 1)[0]
 
 
 def _part(path: Path) -> Path:
@@ -350,12 +267,6 @@ def _read_text(path: Path) -> str | None:
         return path.read_text()
     except OSError:
         return None
-
-
-def credentials(storage: StorageSpec) -> Credentials:
-    """The spec's storage section; a SAS token the launcher passed in the environment (never in job.yaml)."""
-    token = storage.sas_token.get_secret_value() if storage.sas_token else os.environ.get(STORAGE_SAS_TOKEN_ENV)
-    return Credentials(account_name=storage.account_name, endpoint=storage.endpoint, sas_token=token or None)
 
 
 def stage_inputs(spec: JobSpec, run_token: str, log: Callable[[str], None] = print) -> JobSpec:
@@ -421,7 +332,7 @@ def remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[lis
     except StagingError:
         raise
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types
-        raise _storage_error(f"{field_name} = {url!r}", exc, creds) from None
+        raise storage_error(f"{field_name} = {url!r}", exc, creds, kind=StagingError) from None
     classes = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
     if not classes:
         raise StagingError(

@@ -14,12 +14,14 @@ from clusterfit.errors import ClusterfitError
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.jobs import Refused, ServiceError
 from clusterfit.service.logview import read_logs
-from clusterfit.service.records import forget_secrets, record_job
+from clusterfit.service.records import forget_secrets, outputs_url, record_job, spec_of
 from clusterfit.service.scheduler import reconcile, schedule
 from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import Job, JobNotFound, JobStore, StateConflict
 from clusterfit.service.views import job_details, job_row, job_status, metrics_series
 from clusterfit.spec import JobSpec, load_spec, load_spec_text
+from clusterfit.storage.filesystems import credentials
+from clusterfit.storage.outputs_mirror import OutputsMirror
 
 
 def local_user() -> str:
@@ -91,13 +93,13 @@ class LocalJobs:
         return [job_row(job) for job in self.store.list_jobs(state, limit)]
 
     def status(self, job_id: str) -> dict[str, Any]:
-        return job_status(self.store, self._find(job_id))
+        return job_status(self.store, self._readable(job_id))
 
     def details(self, job_id: str) -> dict[str, Any]:
-        return job_details(self.store, self._find(job_id))
+        return job_details(self.store, self._readable(job_id))
 
     def logs(self, job_id: str, cursor: str | None = None, rank: int | None = None) -> dict[str, Any]:
-        job = self._find(job_id)
+        job = self._readable(job_id)
         outputs = JobOutputs.at(job.outputs_dir)
         beats = read_heartbeats(outputs)
         ended = job.job_state.is_terminal  # read before the files: whatever the job wrote last is in them
@@ -111,7 +113,20 @@ class LocalJobs:
         return {"lines": chunk.lines, "cursor": chunk.cursor, "more": chunk.more, "ended": ended, "state": job.state}
 
     def metrics(self, job_id: str) -> list[dict[str, Any]]:
-        return metrics_series(self._find(job_id))
+        return metrics_series(self._readable(job_id))
+
+    def _readable(self, job_id: str) -> Job:
+        """The job, with its outputs here: a job whose outputs went to a URL and whose local copy is gone (another
+        machine, a cleared cache) has its logs, metrics and summary fetched from the store first."""
+        job = self._find(job_id)
+        url = outputs_url(job)
+        if url is not None and not Path(job.outputs_dir).exists():
+            try:
+                spec = spec_of(job)
+                OutputsMirror(JobOutputs.at(job.outputs_dir), url, credentials(spec.storage)).pull(checkpoints=False)
+            except ClusterfitError as exc:
+                raise ServiceError(str(exc), exit_code=1) from None
+        return job
 
     def _find(self, job_id: str) -> Job:
         self._settle()

@@ -14,6 +14,8 @@ from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.service.home import service_home
 from clusterfit.service.store import Job, JobNotFound, JobStore
 from clusterfit.spec import JobSpec, validate_spec
+from clusterfit.spec.model import is_url
+from clusterfit.storage.filesystems import cache_folder
 
 _SECRETS_DIR = "secrets"
 
@@ -24,7 +26,7 @@ def record_job(store: JobStore, spec: JobSpec, owner: str = "") -> Job:
         name=spec.name,
         backend=spec.resources.backend,
         ranks=spec.world_size,
-        outputs_dir=str(Path(spec.outputs.dir).resolve()),
+        outputs_dir=str(local_outputs_dir(spec)),
         spec_yaml=resolved_spec_text(spec),
         priority=spec.queue_settings.priority,
         max_retries=spec.limits.max_retries,
@@ -39,8 +41,22 @@ def record_job(store: JobStore, spec: JobSpec, owner: str = "") -> Job:
     return job
 
 
+def local_outputs_dir(spec: JobSpec) -> Path:
+    """Where the job works on this machine: outputs.dir, or with a URL its folder in outputs.cache_dir."""
+    if is_url(spec.outputs.dir):
+        return cache_folder(spec.outputs.dir, spec.outputs.cache_dir).resolve()
+    return Path(spec.outputs.dir).resolve()
+
+
+def outputs_url(job: Job) -> str | None:
+    """The store the job's outputs are copied to (outputs.dir as given), or None for a folder."""
+    given = yaml.safe_load(job.spec_yaml)["outputs"]["dir"]
+    return given if is_url(given) else None
+
+
 def spec_of(job: Job) -> JobSpec:
-    """The job's spec as recorded (outputs.dir absolute), with its secrets put back."""
+    """The job's spec as recorded, with its secrets put back; outputs.dir is where it works on this machine (the
+    absolute folder, or with a URL its local copy: `outputs_url` gives the URL)."""
     spec = validate_spec(yaml.safe_load(job.spec_yaml), source=f"job {job.id}")
     spec = spec.model_copy(update={"outputs": spec.outputs.model_copy(update={"dir": job.outputs_dir})})
     secret = _secret_path(job.id)

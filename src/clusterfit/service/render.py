@@ -101,7 +101,8 @@ def details_lines(details: dict[str, Any]) -> list[str]:
         *status_lines(details),
         "history:",
         *history_lines(details),
-        f"outputs: {details['outputs_dir']}",
+        f"outputs: {details['outputs_dir']}"
+        + (f" (a copy of {details['outputs_url']})" if details.get("outputs_url") else ""),
         *(f"  model: {path}" for path in details["model_files"]),
         *(f"  checkpoint: {path}" for path in details["checkpoints"]),
         f"  metrics: {details['metrics_file']}  tensorboard: {details['tensorboard_dir']}",

@@ -29,7 +29,7 @@ from clusterfit.outputs import (
     clear_heartbeats,
     read_heartbeats,
 )
-from clusterfit.outputs.layout import LOG_DIR, rank_log_name
+from clusterfit.outputs.layout import CHECKPOINT_DIR, LOG_DIR, rank_log_name
 from clusterfit.processes import process_start_time
 from clusterfit.service.causes import (
     Failure,
@@ -41,10 +41,12 @@ from clusterfit.service.causes import (
 )
 from clusterfit.service.home import JOB_USER_ENV
 from clusterfit.service.outputs_claim import OutputsClaim, claim_outputs
-from clusterfit.service.records import forget_secrets, spec_of
+from clusterfit.service.records import forget_secrets, outputs_url, spec_of
 from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
 from clusterfit.service.store import Job, JobStore, dump_json
 from clusterfit.spec import JobSpec
+from clusterfit.storage.filesystems import credentials, public
+from clusterfit.storage.outputs_mirror import OutputsMirror, Uploader
 
 _RECORD_EVERY_S = 2.0  # progress written to the store at most this often; also the supervisor's liveness
 _HANG_GRACE_S = 3.0  # after a hang is seen, time for every rank's stack dump to reach its log
@@ -101,14 +103,46 @@ class Supervisor:
                 forget_secrets(self.job_id)
 
     def _attempt(self, job: Job, attempt: int) -> tuple[Outcome, Failure | None]:
+        mirror = None
         try:
             spec = spec_of(job)
             # On Kubernetes the outputs are on the cluster's volume, not here.
             if self._outputs_claim is None and spec.resources.backend != "kubernetes":
                 self._outputs_claim = claim_outputs(Path(spec.outputs.dir), job.id)
+            url = outputs_url(job)
+            if url is not None:
+                mirror = OutputsMirror(JobOutputs.at(spec.outputs.dir), url, credentials(spec.storage))
+                self._restore(mirror)  # a fresh machine resumes where the store's copy ends
             preflight(spec)  # again: data can vanish while a job waits in the queue
         except ClusterfitError as exc:
             return Outcome.FAILED, failure_for_error(exc)
+        if mirror is None:
+            return self._run_attempt(job, attempt, spec)
+        with Uploader(mirror, spec.outputs.upload_every_s, self.log) as uploader:
+            outcome, failure = self._run_attempt(job, attempt, spec)
+            try:
+                pushed = uploader.finish()
+            except ClusterfitError as exc:
+                self.log(f"job {job.id}: {exc}; the local copy is in {spec.outputs.dir}")
+                return (Outcome.FAILED, failure_for_error(exc)) if outcome is Outcome.SUCCEEDED else (outcome, failure)
+        self.log(
+            f"job {job.id}: outputs in {public(url)}: {pushed.files} files uploaded during attempt {attempt}, "
+            f"{pushed.bytes / 1e6:.1f} MB at {pushed.mb_per_s:.1f} MB/s"
+        )
+        return outcome, failure
+
+    def _restore(self, mirror: OutputsMirror) -> None:
+        pulled = mirror.pull()
+        for skipped in pulled.skipped:
+            self.log(f"outputs: not resuming from {public(mirror.url)}/{CHECKPOINT_DIR}/{skipped}")
+        if pulled.files:
+            restored = f", checkpoint {pulled.checkpoints[0]}" if pulled.checkpoints else ""
+            self.log(
+                f"outputs: {pulled.files} files from {public(mirror.url)}{restored} ({pulled.bytes / 1e6:.1f} MB in "
+                f"{pulled.seconds:.1f} s)"
+            )
+
+    def _run_attempt(self, job: Job, attempt: int, spec: JobSpec) -> tuple[Outcome, Failure | None]:
         env = {**spec.environment_variables, ATTEMPT_ENV: str(attempt)}
         spec = spec.model_copy(update={"environment_variables": env})
         outputs = JobOutputs.at(spec.outputs.dir)

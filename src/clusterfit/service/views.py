@@ -18,6 +18,7 @@ from clusterfit.outputs import (
     read_summary,
 )
 from clusterfit.outputs.checkpoints import published
+from clusterfit.service.records import outputs_url
 from clusterfit.service.states import FailureCause, JobState
 from clusterfit.service.store import Job, JobStore, utcnow
 
@@ -95,6 +96,7 @@ def job_status(store: JobStore, job: Job) -> dict[str, Any]:
         "metrics_step": metrics_step,
         "metrics": metrics,
         "outputs_dir": job.outputs_dir,
+        "outputs_url": outputs_url(job),
         "logs_dir": str(JobOutputs.at(job.outputs_dir).logs),
         "ranks_health": rank_health(job),
         "history": [

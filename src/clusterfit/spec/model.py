@@ -429,7 +429,17 @@ class ResourcesSpec(_Strict):
 
 
 class OutputsSpec(_Strict):
-    dir: str
+    dir: str = Field(
+        description="the job's folder (checkpoints, logs, metrics, model), or a URL (az://, s3://, file://) of a "
+        "store it is copied to while the job runs"
+    )
+    cache_dir: str = Field(
+        "~/.cache/clusterfit/outputs",
+        description="with a URL dir: where on the node the job works, each URL in its own folder",
+    )
+    upload_every_s: float = Field(
+        10.0, gt=0, le=3600, description="with a URL dir: seconds between uploads of what changed"
+    )
 
 
 class LimitsSpec(_Strict):
@@ -571,12 +581,18 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _outputs_is_a_folder(self) -> JobSpec:
-        # NOTE: a URL would silently become a local folder named after its scheme (`az:`).
-        if is_url(self.outputs.dir):
+    def _outputs_url_on_one_machine(self) -> JobSpec:
+        # NOTE: the job's supervisor uploads the outputs, so it must see the folder the workers write: on the
+        # local engine it does; on the others the workers' nodes are elsewhere.
+        if is_url(self.outputs.dir) and "?" in self.outputs.dir:
             raise ValueError(
-                f"outputs.dir = {self.outputs.dir!r}: URLs are not supported yet; give a folder every node sees "
-                "(a shared filesystem)"
+                "outputs.dir: a URL with a query string (a SAS token?) would be stored with the job; give the URL "
+                "alone and the token in storage.sas_token or the environment"
+            )
+        if is_url(self.outputs.dir) and self.resources.backend != "local":
+            raise ValueError(
+                f"outputs.dir = {self.outputs.dir!r}: outputs at a URL work with the local engine so far; on "
+                f"{self.resources.backend} give a folder every node sees (a shared filesystem)"
             )
         return self
 

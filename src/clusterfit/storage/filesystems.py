@@ -1,0 +1,124 @@
+"""Object stores behind fsspec URLs (az://, s3://, file://, ...): opening one with a job's credentials, and what
+an SDK's exception means, as one line without secrets. Torch-free; used by staging (inputs) and by the outputs
+mirror (a job's outputs at a URL)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clusterfit.errors import DataError
+from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV
+from clusterfit.spec.model import StorageSpec
+from clusterfit.storage.redact import redact
+
+
+class StorageError(DataError):
+    """A store refused or did not answer; one line naming the URL, what went wrong and what to do. Retryable when
+    the service did not answer."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Only what the spec may say; anything else comes from the environment (AZURE_STORAGE_*, AWS_*)."""
+
+    account_name: str | None = None
+    endpoint: str | None = None
+    sas_token: str | None = None
+
+    def secrets(self) -> list[str]:
+        return [s for s in (self.sas_token, os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")) if s]
+
+
+def credentials(storage: StorageSpec) -> Credentials:
+    """The spec's storage section; a SAS token the launcher passed in the environment (never in job.yaml)."""
+    token = storage.sas_token.get_secret_value() if storage.sas_token else os.environ.get(STORAGE_SAS_TOKEN_ENV)
+    return Credentials(account_name=storage.account_name, endpoint=storage.endpoint, sas_token=token or None)
+
+
+def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
+    """(fsspec filesystem, path inside it). Filesystems are never shared between credentials."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0].lower()
+    options: dict[str, Any] = {"skip_instance_cache": True}
+    if protocol in ("az", "abfs", "abfss"):
+        if creds.endpoint and creds.sas_token:
+            options["connection_string"] = f"BlobEndpoint={creds.endpoint};SharedAccessSignature={creds.sas_token}"
+        else:
+            if creds.account_name:
+                options["account_name"] = creds.account_name
+            if creds.sas_token:
+                options["sas_token"] = creds.sas_token
+    elif protocol in ("s3", "s3a") and creds.endpoint:
+        options["client_kwargs"] = {"endpoint_url": creds.endpoint}
+    try:
+        fs, path = fsspec.core.url_to_fs(url, **options)
+    except ImportError as exc:
+        package = {"az": "adlfs", "abfs": "adlfs", "abfss": "adlfs", "s3": "s3fs", "s3a": "s3fs"}.get(protocol, "")
+        hint = f"pip install {package}" if package else "install the fsspec implementation for it"
+        raise StorageError(f"{url}: no filesystem for {protocol}:// ({exc}); {hint}", retryable=False) from None
+    except (ValueError, OSError) as exc:
+        raise storage_error(url, exc, creds) from None
+    return fs, path.rstrip("/")
+
+
+@dataclass(frozen=True)
+class StorageProblem:
+    text: str  # one short line, without secrets, with the fix when known
+    unreachable: bool  # the service did not answer (rather than answering no): it may answer later
+
+
+def diagnose(exc: BaseException, creds: Credentials) -> StorageProblem:
+    """What an exception from any storage SDK means."""
+    name = type(exc).__name__
+    text = redact(" ".join(str(exc).split()), creds.secrets())
+    lowered = f"{name} {text}".lower()
+    if "authenticat" in lowered or "signature" in lowered or "authorizationfailure" in lowered:
+        return StorageProblem(
+            "access denied: the credentials were refused (authentication failed); check storage.sas_token or "
+            "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_KEY",
+            unreachable=False,
+        )
+    if "authorizationpermissionmismatch" in lowered or "403" in lowered or "permission" in lowered:
+        return StorageProblem("access denied: these credentials may not do this (a read-only SAS token?)", False)
+    if "must provide" in lowered or "no credentials" in lowered or "unable to locate credentials" in lowered:
+        return StorageProblem(
+            "no credentials for this store: set storage.account_name with AZURE_STORAGE_ACCOUNT_KEY or "
+            "storage.sas_token, or AZURE_STORAGE_CONNECTION_STRING (AWS_* for s3://)",
+            unreachable=False,
+        )
+    if "connect" in lowered or "timeout" in lowered or "timed out" in lowered:
+        return StorageProblem(f"cannot reach the storage service ({name})", unreachable=True)
+    if isinstance(exc, FileNotFoundError) or "notfound" in lowered.replace(" ", "") or "does not exist" in lowered:
+        return StorageProblem("not found; check the container and path", unreachable=False)
+    return StorageProblem(f"{name}: {text[:200]}", unreachable=False)
+
+
+def say(exc: BaseException, creds: Credentials) -> str:
+    """An exception from any storage SDK as one short line, without secrets, with the fix when known."""
+    return diagnose(exc, creds).text
+
+
+def storage_error(
+    where: str, exc: BaseException, creds: Credentials, then: str = "", kind: type[StorageError] = StorageError
+) -> StorageError:
+    """`where: <what went wrong>then`, retryable when the storage service could not be reached."""
+    problem = diagnose(exc, creds)
+    return kind(f"{where}: {problem.text}{then}", retryable=problem.unreachable)
+
+
+def cache_folder(url: str, cache_dir: str | Path) -> Path:
+    """The local folder of `url` under `cache_dir`: readable, and distinct for every URL."""
+    digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", url.rstrip("/").split("://")[-1])[-48:].strip("_")
+    return Path(cache_dir).expanduser() / f"{name}-{digest}"
+
+
+def public(url: str) -> str:
+    """A URL without its query string (where a SAS token may ride along)."""
+    return url.split("?", 1)[0]

@@ -1,0 +1,289 @@
+"""A job's outputs at a URL (`outputs.dir: az://...`, `s3://...`, `file://...`).
+
+The job works in a local folder of the node (`outputs.cache_dir`), exactly as with a path; this mirror keeps the
+store a copy of it, from a process that is not training (the job's supervisor), so no step waits for an upload:
+
+- `push()` uploads what changed since the last push: logs, metrics, summary, the model, TensorBoard events, and
+  every published checkpoint, its files first and its manifest last. A checkpoint in the store counts only once
+  its manifest is there and every file matches it, so an interrupted upload is never resumed from. Checkpoints
+  rotated away locally are deleted from the store once a newer one is complete there.
+- `pull()` makes a fresh node's folder the store's: files missing here are downloaded, and the newest complete
+  checkpoint in the store (verified against its manifest after the download) unless one as new is here.
+
+Torch-free. Credentials come from the job's storage section or the environment and are never written anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from clusterfit.outputs import JobOutputs
+from clusterfit.outputs.checkpoints import MANIFEST, STEP_PREFIX, TMP_PREFIX, published, verify
+from clusterfit.outputs.layout import CHECKPOINT_DIR, HEARTBEAT_DIR, LOCK_FILE
+from clusterfit.storage.filesystems import Credentials, StorageError, open_filesystem, public, storage_error
+
+# This node's own: the lock of the running job, and heartbeats that mean nothing once read elsewhere.
+_NOT_MIRRORED = {LOCK_FILE, HEARTBEAT_DIR}
+_FINAL_TRIES = 4
+
+
+@dataclass
+class Transfer:
+    """What one push or pull moved."""
+
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    checkpoints: list[str] = field(default_factory=list)  # published (push) or restored (pull)
+    skipped: list[str] = field(default_factory=list)  # store checkpoints not used, with why
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+class OutputsMirror:
+    def __init__(
+        self, outputs: JobOutputs, url: str, creds: Credentials, on_file: Callable[[str], None] | None = None
+    ) -> None:
+        self.outputs, self.url, self.creds = outputs, url, creds
+        self.fs, self.root = open_filesystem(url, creds)
+        _fail_fast(self.fs)
+        self.on_file = on_file  # hears each file's path inside the folder once it is in the store
+        self._sent: dict[str, tuple[int, int]] = {}  # path inside the folder -> (size, mtime_ns) when uploaded
+
+    def push(self) -> Transfer:
+        """Upload what changed here since the last push; StorageError (retryable if unreachable) on failure."""
+        started, moved = time.perf_counter(), Transfer()
+        try:
+            for path in self._plain_files():
+                self._upload_if_changed(path, moved)
+            kept = published(self.outputs.checkpoints)
+            for checkpoint in reversed(kept):  # oldest first: the newest is complete last
+                if self._upload_checkpoint(checkpoint, moved):
+                    moved.checkpoints.append(checkpoint.name)
+            if kept:
+                self._delete_rotated({p.name for p in kept}, oldest_kept=kept[-1].name)
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every store's SDK raises its own types
+            raise storage_error(f"outputs.dir = {public(self.url)!r}: uploading", exc, self.creds) from None
+        moved.seconds = time.perf_counter() - started
+        return moved
+
+    def pull(self, *, checkpoints: bool = True) -> Transfer:
+        """Download the files this folder lacks and (with `checkpoints`) the store's newest complete checkpoint,
+        unless one as new is here. A store without the folder yet is an empty one."""
+        started, moved = time.perf_counter(), Transfer()
+        try:
+            remote = self._remote_files()
+            for rel, size in sorted(remote.items()):
+                top = rel.split("/", 1)[0]
+                if top in _NOT_MIRRORED or top == CHECKPOINT_DIR and rel.count("/") > 1:
+                    continue  # checkpoint folders come whole, below
+                local = self.outputs.root / rel
+                if not local.exists():
+                    self._download(rel, local, moved, size)
+            if checkpoints:
+                self._pull_newest_checkpoint(remote, moved)
+        except StorageError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise storage_error(f"outputs.dir = {public(self.url)!r}: downloading", exc, self.creds) from None
+        moved.seconds = time.perf_counter() - started
+        return moved
+
+    def _plain_files(self) -> list[Path]:
+        """Every file but the checkpoint folders (published ones go whole, others are still being written)."""
+        found = []
+        for path in sorted(self.outputs.root.rglob("*")):
+            rel = path.relative_to(self.outputs.root)
+            if not path.is_file() or rel.parts[0] in _NOT_MIRRORED:
+                continue
+            if rel.parts[0] == CHECKPOINT_DIR and len(rel.parts) > 2:
+                continue
+            if path.name.startswith(TMP_PREFIX) or path.name.endswith(".part"):
+                continue
+            found.append(path)
+        return found
+
+    def _upload_if_changed(self, path: Path, moved: Transfer) -> bool:
+        rel = path.relative_to(self.outputs.root).as_posix()
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            return False  # rotated away meanwhile
+        if self._sent.get(rel) == (stat.st_size, stat.st_mtime_ns):
+            return False
+        self.fs.put_file(str(path), f"{self.root}/{rel}")
+        self._sent[rel] = (stat.st_size, stat.st_mtime_ns)
+        moved.files, moved.bytes = moved.files + 1, moved.bytes + stat.st_size
+        if self.on_file is not None:
+            self.on_file(rel)
+        return True
+
+    def _upload_checkpoint(self, checkpoint: Path, moved: Transfer) -> bool:
+        """Its files, then its manifest: True when this push completed it in the store."""
+        manifest = checkpoint / MANIFEST
+        rel_manifest = manifest.relative_to(self.outputs.root).as_posix()
+        if rel_manifest in self._sent:
+            return False
+        remote_manifest = f"{self.root}/{rel_manifest}"
+        if self.fs.exists(remote_manifest) and self.fs.cat_file(remote_manifest) == manifest.read_bytes():
+            stat = manifest.stat()  # pushed by an earlier supervisor of this job, or pulled from the store
+            self._sent[rel_manifest] = (stat.st_size, stat.st_mtime_ns)
+            return False
+        for path in sorted(p for p in checkpoint.rglob("*") if p.is_file() and p != manifest):
+            self._upload_if_changed(path, moved)
+        return self._upload_if_changed(manifest, moved)
+
+    def _delete_rotated(self, kept: set[str], oldest_kept: str) -> None:
+        """Store checkpoints older than every one kept here: rotated away, or left half-uploaded."""
+        folder = f"{self.root}/{CHECKPOINT_DIR}"
+        if not self.fs.exists(folder):
+            return
+        for entry in self.fs.ls(folder, detail=False):
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith(STEP_PREFIX) and name not in kept and name < oldest_kept:
+                self.fs.rm(f"{folder}/{name}", recursive=True)
+
+    def _remote_files(self) -> dict[str, int]:
+        """Path inside the folder -> size, for every file in the store's copy."""
+        if not self.fs.exists(self.root):
+            return {}
+        found = self.fs.find(self.root, detail=True)
+        prefix = self.root.rstrip("/") + "/"
+        return {
+            name[len(prefix) :]: int(info.get("size") or 0)
+            for name, info in found.items()
+            if info.get("type") == "file" and name.startswith(prefix)
+        }
+
+    def _download(self, rel: str, local: Path, moved: Transfer, size: int) -> None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        part = local.with_name(local.name + ".part")
+        self.fs.get_file(f"{self.root}/{rel}", str(part))
+        os.replace(part, local)
+        moved.files, moved.bytes = moved.files + 1, moved.bytes + size
+
+    def _pull_newest_checkpoint(self, remote: dict[str, int], moved: Transfer) -> None:
+        by_checkpoint: dict[str, dict[str, int]] = {}
+        for rel, size in remote.items():
+            parts = rel.split("/")
+            if len(parts) > 2 and parts[0] == CHECKPOINT_DIR and parts[1].startswith(STEP_PREFIX):
+                by_checkpoint.setdefault(parts[1], {})["/".join(parts[2:])] = size
+        here = published(self.outputs.checkpoints)
+        newest_here = here[0].name if here else ""
+        for name in sorted(by_checkpoint, reverse=True):
+            if name <= newest_here:
+                return
+            files = by_checkpoint[name]
+            if MANIFEST not in files:
+                moved.skipped.append(f"{name}: its upload never completed (no {MANIFEST})")
+                continue
+            tmp = self.outputs.checkpoints / f"{TMP_PREFIX}pull-{name}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            for rel in sorted(files, key=lambda r: r == MANIFEST):  # the manifest last, as when published
+                self._download(f"{CHECKPOINT_DIR}/{name}/{rel}", tmp / rel, moved, files[rel])
+            problem = verify(tmp)
+            if problem is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                moved.skipped.append(f"{name}: {problem}")
+                continue
+            os.replace(tmp, self.outputs.checkpoints / name)
+            moved.checkpoints.append(name)
+            return
+
+
+def _fail_fast(fs: Any) -> None:
+    """Azure's SDK retries an unreachable store for about a minute (at 15, 18 and 24 s) before it says so; the
+    uploader tries again on its own schedule, and says so once, so each call gives up after one retry a second
+    later."""
+    pipeline = getattr(getattr(fs, "service_client", None), "_pipeline", None)
+    for policy in getattr(pipeline, "_impl_policies", []):
+        if hasattr(policy, "initial_backoff") and hasattr(policy, "total_retries"):
+            policy.initial_backoff, policy.increment_base, policy.random_jitter_range = 1, 2, 0.5
+            policy.total_retries = policy.connect_retries = policy.read_retries = policy.status_retries = 1
+
+
+def check_store(url: str, creds: Credentials) -> None:
+    """Before any worker starts: the store answers these credentials and its bucket or container exists."""
+    where = f"outputs.dir = {public(url)!r}"
+    try:
+        fs, root = open_filesystem(url, creds)
+    except StorageError as exc:
+        said = str(exc).removeprefix(f"{url}: ")
+        raise StorageError(f"{where}: {said}", retryable=exc.retryable) from None
+    top = root.strip("/").split("/", 1)[0]
+    bucketed = url.split("://", 1)[0].lower() not in ("file", "local", "memory")
+    try:
+        if bucketed and not fs.exists(top):
+            raise StorageError(
+                f"{where}: no container or bucket {top!r} in this store; create it, or fix the URL", retryable=False
+            )
+        fs.exists(root)
+    except StorageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every store's SDK raises its own types
+        raise storage_error(where, exc, creds) from None
+
+
+class Uploader:
+    """Pushes every `every_s` seconds on a thread while a job runs; `finish()` pushes once more and waits for it.
+    A failed push mid-run is said once and tried again next time: the local copy is whole meanwhile."""
+
+    def __init__(self, mirror: OutputsMirror, every_s: float, log: Callable[[str], None]) -> None:
+        self.mirror, self.every_s, self.log = mirror, every_s, log
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="outputs-uploader", daemon=True)
+        self._last_problem: str | None = None
+        self.pushed = Transfer()
+
+    def __enter__(self) -> Uploader:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._push_once()
+
+    def _push_once(self) -> None:
+        try:
+            self._add(self.mirror.push())
+            if self._last_problem is not None:
+                self.log(f"outputs: uploads to {public(self.mirror.url)} work again")
+            self._last_problem = None
+        except StorageError as exc:
+            if str(exc) != self._last_problem:
+                self.log(f"outputs: {exc}; trying again every {self.every_s:g} s (the local copy is whole)")
+            self._last_problem = str(exc)
+
+    def _add(self, moved: Transfer) -> None:
+        self.pushed.files += moved.files
+        self.pushed.bytes += moved.bytes
+        self.pushed.seconds += moved.seconds
+        self.pushed.checkpoints += moved.checkpoints
+
+    def finish(self) -> Transfer:
+        """The last push, tried a few times with pauses; StorageError if the store never took it."""
+        self.__exit__()
+        for attempt in range(_FINAL_TRIES):
+            try:
+                self._add(self.mirror.push())
+                return self.pushed
+            except StorageError as exc:
+                if not exc.retryable or attempt == _FINAL_TRIES - 1:
+                    raise
+                time.sleep(2**attempt)
+        return self.pushed

@@ -1,0 +1,207 @@
+"""A job's outputs at a URL: the mirror between its local folder and a real Azure Blob Storage emulator (Azurite).
+The end-to-end job (a kill, a fresh machine, a resume from the store) is in test_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from azure.storage.blob import BlobServiceClient
+from azurite import Azurite, serving
+from conftest import wait_for
+
+from clusterfit.outputs import JobOutputs
+from clusterfit.outputs.checkpoints import checkpoint_name, publish, published, verify
+from clusterfit.storage.filesystems import Credentials, StorageError
+from clusterfit.storage.outputs_mirror import OutputsMirror, Uploader, check_store
+
+CONTAINER = "outputs"
+
+pytestmark = pytest.mark.xdist_group("staging")  # beside the other Azurite tests: one worker starts the emulators
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Azurite]:
+    yield from serving(tmp_path_factory.mktemp("azurite"), CONTAINER)
+
+
+@pytest.fixture
+def own_azurite(tmp_path: Path) -> Iterator[Azurite]:
+    """For a test that stops the store mid-upload and starts it again on the same data."""
+    yield from serving(tmp_path / "azurite", CONTAINER)
+
+
+def _blobs(azurite: Azurite, prefix: str) -> dict[str, bytes]:
+    container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
+    return {
+        b.name[len(prefix) + 1 :]: container.download_blob(b.name).readall()
+        for b in container.list_blobs(name_starts_with=prefix + "/")
+    }
+
+
+def _checkpoint(outputs: JobOutputs, step: int, size: int = 1000, keep: int = 2) -> Path:
+    tmp = outputs.checkpoints / f".tmp-{step}"
+    tmp.mkdir(parents=True)
+    (tmp / "state.pt").write_bytes(os.urandom(size))
+    (tmp / "rank-00001.pt").write_bytes(os.urandom(100))
+    final = outputs.checkpoints / checkpoint_name(step)
+    publish(tmp, final, {"step": step, "world_size": 2}, keep=keep)
+    return final
+
+
+def _job_folder(root: Path) -> JobOutputs:
+    outputs = JobOutputs.at(root)
+    outputs.logs.mkdir(parents=True)
+    outputs.rank_log(0).write_text("rank 0 says hello\n")
+    outputs.metrics.write_text(json.dumps({"kind": "train", "step": 1}) + "\n")
+    outputs.heartbeats.mkdir()
+    outputs.heartbeat(0).write_text("{}")
+    outputs.lock.write_text("held")
+    return outputs
+
+
+def test_a_push_copies_the_folder_checkpoints_last_and_a_fresh_folder_pulls_it_back(
+    azurite: Azurite, tmp_path: Path
+) -> None:
+    url = f"az://{CONTAINER}/job-a"
+    outputs = _job_folder(tmp_path / "here")
+    first = _checkpoint(outputs, 3)
+    uploaded: list[str] = []
+    mirror = OutputsMirror(outputs, url, Credentials(), on_file=uploaded.append)
+
+    pushed = mirror.push()
+    assert pushed.checkpoints == ["step-00000003"] and pushed.bytes > 1000
+    assert uploaded[-1] == "checkpoints/step-00000003/manifest.json", "the manifest goes last"
+    stored = _blobs(azurite, "job-a")
+    assert stored["logs/rank-0.log"] == b"rank 0 says hello\n"
+    assert stored["checkpoints/step-00000003/state.pt"] == (first / "state.pt").read_bytes()
+    assert not any(name.startswith(("heartbeats/", ".clusterfit-lock")) for name in stored), "this node's own"
+
+    # Only what changed goes again; a checkpoint rotated away here leaves the store once newer ones are there.
+    uploaded.clear()
+    assert mirror.push().files == 0
+    with outputs.rank_log(0).open("a") as log:
+        log.write("and again\n")
+    _checkpoint(outputs, 6)
+    _checkpoint(outputs, 9)
+    assert [p.name for p in published(outputs.checkpoints)] == ["step-00000009", "step-00000006"]
+    mirror.push()
+    assert "logs/rank-0.log" in uploaded and "metrics.jsonl" not in uploaded
+    names = {name.split("/")[1] for name in _blobs(azurite, "job-a") if name.startswith("checkpoints/")}
+    assert names == {"step-00000006", "step-00000009"}
+
+    # A fresh machine: everything back, the newest checkpoint verified.
+    fresh = JobOutputs.at(tmp_path / "fresh")
+    pulled = OutputsMirror(fresh, url, Credentials()).pull()
+    assert pulled.checkpoints == ["step-00000009"] and pulled.skipped == []
+    assert fresh.rank_log(0).read_text() == "rank 0 says hello\nand again\n"
+    assert [p.name for p in published(fresh.checkpoints)] == ["step-00000009"]
+    assert verify(fresh.checkpoints / "step-00000009") is None
+    assert not fresh.heartbeats.exists()
+
+
+def test_an_upload_cut_off_by_the_store_going_down_is_never_resumed_from(own_azurite: Azurite, tmp_path: Path) -> None:
+    """Azurite is stopped while a checkpoint's files go up (after its first file, before its manifest); once it
+    is back, a fresh machine resumes from the previous complete checkpoint, and a push completes the cut one."""
+    azurite = own_azurite
+    url = f"az://{CONTAINER}/job-b"
+    outputs = _job_folder(tmp_path / "here")
+    _checkpoint(outputs, 4)
+    OutputsMirror(outputs, url, Credentials()).push()
+    _checkpoint(outputs, 8, size=3_000_000)
+
+    stopped = threading.Event()
+
+    def stop_the_store_after_the_first_file(rel: str) -> None:
+        if rel.startswith("checkpoints/step-00000008/") and not stopped.is_set():
+            azurite.stop()
+            stopped.set()
+
+    cut = OutputsMirror(outputs, url, Credentials(), on_file=stop_the_store_after_the_first_file)
+    with pytest.raises(StorageError) as failure:
+        cut.push()
+    assert stopped.is_set()
+    assert failure.value.retryable, "an unreachable store is worth trying again"
+    assert "cannot reach the storage service" in str(failure.value)
+
+    port = azurite.port
+    azurite.start()
+    assert azurite.port == port
+    stored = _blobs(azurite, "job-b")
+    assert any(n.startswith("checkpoints/step-00000008/") for n in stored), "the cut upload left a part"
+    assert "checkpoints/step-00000008/manifest.json" not in stored
+
+    fresh = JobOutputs.at(tmp_path / "fresh")
+    pulled = OutputsMirror(fresh, url, Credentials()).pull()
+    assert pulled.checkpoints == ["step-00000004"]
+    assert pulled.skipped == ["step-00000008: its upload never completed (no manifest.json)"]
+
+    # The next push of the job finishes what was cut; from then on the newest one is used.
+    assert cut.push().checkpoints == ["step-00000008"]
+    newer = JobOutputs.at(tmp_path / "newer")
+    assert OutputsMirror(newer, url, Credentials()).pull().checkpoints == ["step-00000008"]
+
+
+def test_a_checkpoint_damaged_in_the_store_is_passed_over(azurite: Azurite, tmp_path: Path) -> None:
+    url = f"az://{CONTAINER}/job-c"
+    outputs = _job_folder(tmp_path / "here")
+    _checkpoint(outputs, 2)
+    _checkpoint(outputs, 5)
+    OutputsMirror(outputs, url, Credentials()).push()
+    container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
+    container.upload_blob("job-c/checkpoints/step-00000005/state.pt", b"damaged", overwrite=True)
+
+    fresh = JobOutputs.at(tmp_path / "fresh")
+    pulled = OutputsMirror(fresh, url, Credentials()).pull()
+    assert pulled.checkpoints == ["step-00000002"]
+    assert pulled.skipped == ["step-00000005: state.pt has 7 bytes, expected 1000"]
+    assert [p.name for p in published(fresh.checkpoints)] == ["step-00000002"]
+    assert not [p for p in fresh.checkpoints.iterdir() if p.name.startswith(".tmp-")], "no half-pulled folder left"
+
+
+def test_the_uploader_says_once_that_the_store_is_down_and_catches_up_when_it_is_back(
+    own_azurite: Azurite, tmp_path: Path
+) -> None:
+    azurite = own_azurite
+    url = f"az://{CONTAINER}/job-d"
+    outputs = _job_folder(tmp_path / "here")
+    said: list[str] = []
+    mirror = OutputsMirror(outputs, url, Credentials())
+    azurite.stop()
+    with Uploader(mirror, every_s=0.05, log=said.append) as uploader:
+        wait_for(lambda: said, 30, "the uploader to say the store is down")
+        azurite.start()
+        _checkpoint(outputs, 7)
+        pushed = uploader.finish()
+    assert pushed.checkpoints == ["step-00000007"]
+    down = [line for line in said if "cannot reach the storage service" in line]
+    assert len(down) == 1 and "trying again every 0.05 s (the local copy is whole)" in down[0]
+    assert said[-1] == f"outputs: uploads to {url} work again"
+    assert "checkpoints/step-00000007/manifest.json" in _blobs(azurite, "job-d")
+
+
+def test_a_store_without_the_container_or_refusing_the_key_is_one_line_before_anything_runs(
+    azurite: Azurite, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(StorageError) as missing:
+        check_store("az://no-such-container/x", Credentials())
+    assert str(missing.value) == (
+        "outputs.dir = 'az://no-such-container/x': no container or bucket 'no-such-container' in this store; "
+        "create it, or fix the URL"
+    )
+    assert not missing.value.retryable
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string(key="d3Jvbmc="))
+    with pytest.raises(StorageError) as refused:
+        check_store(f"az://{CONTAINER}/x", Credentials())
+    assert str(refused.value).startswith(f"outputs.dir = 'az://{CONTAINER}/x': access denied")
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING")
+    with pytest.raises(StorageError) as anonymous:
+        check_store(f"az://{CONTAINER}/x", Credentials())
+    assert str(anonymous.value) == (
+        f"outputs.dir = 'az://{CONTAINER}/x': no credentials for this store: set storage.account_name with "
+        "AZURE_STORAGE_ACCOUNT_KEY or storage.sas_token, or AZURE_STORAGE_CONNECTION_STRING (AWS_* for s3://)"
+    )
