@@ -141,3 +141,10 @@ def test_a_bad_sweep_is_refused_in_one_line(tmp_path: Path, sweep: dict, words: 
 def test_status_of_an_unknown_sweep_names_the_known_ones() -> None:
     result = run_cli("sweep", "status", "nope")
     assert result.returncode == 2 and "no sweep named 'nope'" in result.stderr
+
+
+def test_a_trial_s_outputs_go_under_the_sweep_s_folder_or_url() -> None:
+    from clusterfit.sweep.driver import trial_outputs
+
+    assert trial_outputs("runs/lr-sweep", 3) == "runs/lr-sweep/trial-003"
+    assert trial_outputs("az://runs/lr-sweep/", 12) == "az://runs/lr-sweep/trial-012"

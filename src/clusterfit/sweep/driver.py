@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from clusterfit.service.jobs import JobService, ServiceError
 from clusterfit.service.states import JobState
+from clusterfit.spec.model import is_url
 from clusterfit.sweep.spec import VAL_METRICS, Choice, LogUniform, RandInt, SweepSpec, Uniform, override
 from clusterfit.sweep.study import find_study, open_study
 
@@ -105,7 +106,7 @@ class SweepDriver:
     def _submit(self, study: optuna.Study, trial: optuna.Trial) -> bool:
         import optuna
 
-        outputs = Path(self.sweep.outputs_dir) / f"trial-{trial.number:03d}"
+        outputs = trial_outputs(self.sweep.outputs_dir, trial.number)
         overrides = [override(field, value) for field, value in trial.params.items()]
         overrides += [f"name={job_name(self.sweep.name, trial.number)}", f"outputs.dir={outputs}"]
         trial.set_user_attr(OUTPUTS, str(outputs))
@@ -220,3 +221,10 @@ def cancel_sweep(name: str, jobs: JobService) -> list[str]:
         with contextlib.suppress(RuntimeError, ValueError):  # the driver may have recorded it first
             study.tell(frozen.number, state=optuna.trial.TrialState.FAIL)
     return cancelled
+
+
+def trial_outputs(outputs_dir: str, number: int) -> str:
+    """A trial's outputs.dir: a folder under the sweep's, or a path under its URL (a URL is not a Path: "az://"
+    would lose a slash)."""
+    name = f"trial-{number:03d}"
+    return f"{outputs_dir.rstrip('/')}/{name}" if is_url(outputs_dir) else str(Path(outputs_dir) / name)
