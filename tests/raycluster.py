@@ -37,7 +37,29 @@ class RayCluster:
         return {**os.environ, **self.auth, "RAY_ADDRESS": self.address, "COLUMNS": "200", **extra}
 
     def start(self) -> None:
-        common = [
+        self._start_node("head", self._head_args())
+        self._wait_for_nodes(1)
+        self.add_node()
+
+    def add_node(self) -> subprocess.Popen[bytes]:
+        """One more node (as a replaced spot VM would join), once Ray counts it alive."""
+        count = len(self.nodes) + 1
+        self._start_node(f"node{count}", [f"--address={self.address}", "--node-ip-address=127.0.0.1", *self._common()])
+        self._wait_for_nodes(count)
+        return self.nodes[-1]
+
+    def remove_node(self, node: subprocess.Popen[bytes]) -> None:
+        """Stops a node that add_node() started, as `stop` does."""
+        self.nodes.remove(node)
+        node.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            node.wait(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.pid, signal.SIGKILL)
+        node.wait()
+
+    def _common(self) -> list[str]:
+        return [
             "--num-cpus=1",
             # A logical GPU per node (Ray's resource accounting; no device): GPU bundles are placed for real, and
             # Ray sets CUDA_VISIBLE_DEVICES for the actor as it would on a GPU node.
@@ -48,21 +70,17 @@ class RayCluster:
             f"--dashboard-agent-listen-port={free_port()}",
             "--block",
         ]
-        self._start_node(
-            "head",
-            [
-                "--head",
-                f"--port={self.port}",
-                "--node-ip-address=127.0.0.1",
-                f"--temp-dir={self.temp_dir}",
-                "--include-dashboard=false",
-                f"--ray-client-server-port={free_port()}",
-                *common,
-            ],
-        )
-        self._wait_for_nodes(1)
-        self._start_node("node", [f"--address={self.address}", "--node-ip-address=127.0.0.1", *common])
-        self._wait_for_nodes(2)
+
+    def _head_args(self) -> list[str]:
+        return [
+            "--head",
+            f"--port={self.port}",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={self.temp_dir}",
+            "--include-dashboard=false",
+            f"--ray-client-server-port={free_port()}",
+            *self._common(),
+        ]
 
     def alive_nodes(self) -> int:
         result = subprocess.run(

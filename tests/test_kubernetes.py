@@ -144,6 +144,25 @@ def test_the_agent_command_and_resources_follow_the_spec() -> None:
     assert mounts["outputs"] == "/workspace/runs/tiny" and mounts["data"] == "/data"
 
 
+def test_an_elastic_job_asks_for_max_pods_starts_with_min_and_recreates_a_lost_one() -> None:
+    raw = _spec().model_dump(mode="json")
+    raw["resources"]["instance_count"], raw["distribution"]["max_restarts"] = "1:3", 3
+    _, job = render_manifests(validate_spec(raw))
+    assert list(_crd_validator().iter_errors(job)) == []
+    policy, worker = job["spec"]["elasticPolicy"], job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert (policy["minReplicas"], policy["maxReplicas"], policy["maxRestarts"]) == (1, 3, 3)
+    assert (worker["replicas"], worker["restartPolicy"], job["spec"]["runPolicy"]["backoffLimit"]) == (
+        3,
+        "OnFailure",
+        3,
+    )
+    command = worker["template"]["spec"]["containers"][0]["command"]
+    assert "--nnodes=1:3" in command
+    assert "--rdzv-conf=last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=4" in command
+    _, fixed = render_manifests(_spec())
+    assert fixed["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "Never"
+
+
 @pytest.mark.parametrize(
     ("conditions", "state", "code"),
     [

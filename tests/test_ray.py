@@ -21,7 +21,7 @@ from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job
 from test_session import session_job
 
 from clusterfit.backends.ray import AgentState, job_exit_code
-from clusterfit.outputs import JobOutputs, read_heartbeats, read_records
+from clusterfit.outputs import JobOutputs, RecordKind, membership_changes, read_heartbeats, read_records
 from clusterfit.service.migrate import open_store
 from clusterfit.session.checkpoints import latest_checkpoint
 
@@ -52,6 +52,13 @@ RAY_JOB_SCRIPT = str(REPO / "tests" / "scripts" / "ray_job.py")
 )
 def test_job_exit_code_is_the_first_failure(states: list[AgentState], expected: int | None) -> None:
     assert job_exit_code(states) == expected
+
+
+def test_an_elastic_jobs_exit_code_is_its_rendezvous_hosts() -> None:
+    """Node 0 hosts the rendezvous: a lost or failed other node is a membership change, not the job's end."""
+    assert job_exit_code([AgentState(None), AgentState(1, 5.0)], elastic=True) is None
+    assert job_exit_code([AgentState(0, 9.0), AgentState(-9, 5.0)], elastic=True) == 0
+    assert job_exit_code([AgentState(1, 9.0), AgentState(None)], elastic=True) == 1
 
 
 def test_dry_run_renders_the_placement_group_and_node_command(tmp_path: Path) -> None:
@@ -219,6 +226,77 @@ def test_service_runs_a_submitted_ray_job_and_cancels_it(ray_cluster: RayCluster
     assert cancelled.stdout.strip() == f"job {job_id} CANCELLED"
     wait_for(lambda: not [p.pid for p in processes if _alive(p)], 60, "the job's processes to end")
     assert ray_cluster.placement_groups()[ref["id"]] == "REMOVED"
+
+
+ELASTIC_STEPS = 500  # a minute of training on two busy cores: time for a loss and a join, with room for a faster CPU
+
+
+def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: RayCluster, tmp_path: Path) -> None:
+    """1:2 nodes: the job starts on both nodes; every process of node 1 is killed (as a reclaimed VM's would be)
+    and node 0 trains on alone from the last checkpoint; a new Ray node joins and the job takes it; it ends with
+    an exported model, and each membership change is in its records and on the console."""
+    out = tmp_path / "out"
+    job = tiny_job(out, steps_per_epoch=ELASTIC_STEPS, checkpoint={"every_steps": 10, "keep": 2}, log_every_steps=5)
+    job["resources"] = {"instance_count": "1:2", "backend": "ray"}
+    job["distribution"] = {"type": "pytorch", "process_count_per_instance": 1, "max_restarts": 3}
+    with open(tmp_path / "launcher.log", "w") as log:
+        launcher = subprocess.Popen(
+            cli_command("run", str(write_job(tmp_path / "job.yaml", job))),
+            env=ray_cluster.client_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    metrics = JobOutputs.at(out).metrics
+
+    def last_start() -> dict:
+        assert launcher.poll() is None, (tmp_path / "launcher.log").read_text()[-3000:]
+        starts = read_records(metrics, (RecordKind.START,))
+        return starts[-1] if starts else {}
+
+    def trained_since(start: dict) -> bool:
+        return any(r["time"] > start["time"] for r in read_records(metrics, (RecordKind.TRAIN,)))
+
+    both = wait_for(lambda: last_start().get("nodes") == 2 and last_start(), 300, "the job to train on 2 nodes")
+    wait_for(lambda: trained_since(both), 120, "a step on 2 nodes")
+    lost = _node_processes(out, host=False)
+    for process in lost:  # the actor, its agent and its worker at once, as when a VM is reclaimed
+        process.kill()
+    lost_at = time.time()
+    alone = wait_for(lambda: last_start().get("nodes") == 1 and last_start(), 180, "training on the remaining node")
+    wait_for(lambda: trained_since(alone), 120, "a step on one node")
+    back_at = min(r["time"] for r in read_records(metrics, (RecordKind.TRAIN,)) if r["time"] > alone["time"])
+    print(f"from the node loss to training again on the remaining node: {back_at - lost_at:.1f} s")
+
+    new_node = ray_cluster.add_node()
+    try:
+        wait_for(lambda: last_start().get("nodes") == 2 and last_start()["time"] > alone["time"], 240, "the join")
+        assert launcher.wait(600) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    finally:
+        ray_cluster.remove_node(new_node)
+    console = (tmp_path / "launcher.log").read_text()
+    changes = membership_changes(read_records(metrics, (RecordKind.START,)))
+    assert [(c.nodes_before, c.nodes) for c in changes][-2:] == [(2, 1), (1, 2)], changes
+    assert changes[-2].world_size == 1 and changes[-1].world_size == 2
+    for change in changes[-2:]:
+        assert f"nodes: {change.text}" in console, console[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 and (out / "model" / "model.safetensors").stat().st_size > 0
+    assert read_records(metrics, (RecordKind.END,))[-1]["step"] == ELASTIC_STEPS
+    assert not [p.pid for p in lost if _alive(p)]
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
+    assert not _job_processes(out)
+
+
+def _node_processes(out: Path, *, host: bool) -> list[psutil.Process]:
+    """The agent that hosts the job's rendezvous (or the one that does not), its Ray actor and its workers."""
+    agents = [
+        p
+        for p in _job_processes(out)
+        if "torch.distributed.run" in " ".join(p.cmdline()) and ("is_host=1" in " ".join(p.cmdline())) == host
+    ]
+    assert len(agents) == 1, [p.cmdline() for p in agents]
+    return [agents[0].parent(), agents[0], *agents[0].children(recursive=True)]
 
 
 def _ray_job(cluster: RayCluster, action: str, argument: str) -> str:

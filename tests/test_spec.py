@@ -11,6 +11,7 @@ from conftest import REPO, run_cli, tiny_job, write_job
 
 from clusterfit.errors import DataError
 from clusterfit.launch import preflight
+from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.spec import SpecError, apply_override, load_spec, validate_spec
 
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -325,3 +326,61 @@ def test_control_characters_never_reach_a_script_or_a_manifest(tmp_path: Path, c
     assert (
         validate_spec({**command, "command": "echo a\necho b", "description": "two\nlines"}).command == "echo a\necho b"
     )
+
+
+ELASTIC_MISTAKES = [
+    ({"instance_count": "2:1"}, {}, "resources.instance_count: '2:1' is neither a node count nor MIN:MAX"),
+    ({"instance_count": 0}, {}, "give a whole number of at least 1, or MIN:MAX with 1 <= MIN <= MAX"),
+    (
+        {"instance_count": "1:2"},
+        {},
+        "resources.instance_count = '1:2' is elastic but distribution.max_restarts = 0, so the first lost node ends "
+        "the job; set max_restarts to the node losses it should survive",
+    ),
+    (
+        {"instance_count": "1:2", "backend": "slurm"},
+        {"max_restarts": 3},
+        "resources.instance_count = '1:2': Slurm gives a job a fixed set of nodes and ends it when one fails",
+    ),
+    (
+        {"instance_count": "1:2", "backend": "local"},
+        {"max_restarts": 3},
+        "resources.instance_count is 1:2 but the local backend runs on one machine",
+    ),
+]
+
+
+@pytest.mark.parametrize(("resources", "distribution", "message"), ELASTIC_MISTAKES)
+def test_elastic_node_ranges_are_checked_in_one_line(
+    tmp_path: Path, resources: dict, distribution: dict, message: str
+) -> None:
+    raw = tiny_job(tmp_path / "out")
+    raw["resources"] = {"backend": "ray", **resources}
+    raw["distribution"].update(distribution)
+    with pytest.raises(SpecError) as caught:
+        validate_spec(raw, source="job.yaml")
+    assert "\n" not in str(caught.value) and message in str(caught.value)
+
+
+def test_an_elastic_range_is_read_from_yaml_as_written_not_as_a_base_60_number(tmp_path: Path) -> None:
+    raw = tiny_job(tmp_path / "out")
+    raw["resources"] = {"backend": "ray"}
+    raw["distribution"]["max_restarts"] = 3
+    text = yaml.safe_dump(raw).replace("backend: ray", "backend: ray\n  instance_count: 1:2")
+    assert "instance_count: 1:2\n" in text  # unquoted, as people write it (YAML 1.1 would read 62)
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    spec = load_spec(path)
+    assert (spec.resources.min_nodes, spec.resources.max_nodes, spec.resources.elastic) == (1, 2, True)
+    assert spec.world_size == 4  # of MAX nodes x 2 processes
+    assert load_spec(path, ["resources.instance_count=2:4"]).resources.instance_count == "2:4"
+    assert load_spec(path, ["resources.instance_count=3:3"]).resources.instance_count == 3  # not elastic
+    assert validate_spec(yaml.safe_load(resolved_spec_text(spec))) == spec  # the resolved spec keeps the range
+
+
+def test_an_elastic_pipeline_must_divide_every_world_size_of_the_range(tmp_path: Path) -> None:
+    raw = tiny_job(tmp_path / "out", strategy="pipeline", strategy_options={"stages": 2})
+    raw["resources"] = {"backend": "ray", "instance_count": "1:3"}
+    raw["distribution"].update(process_count_per_instance=1, max_restarts=3)
+    with pytest.raises(SpecError, match="stages = 2 does not divide the 1 workers; .* for every node count of the"):
+        validate_spec(raw)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,9 @@ from clusterfit.data.imagefolder import ShardSampler
 from clusterfit.data.synthetic import SyntheticData
 from clusterfit.models import build_model
 from clusterfit.monitoring.tracebacks import HeldTracebacks
-from clusterfit.outputs import JobOutputs, Phase, read_heartbeats
+from clusterfit.outputs import JobOutputs, Phase, membership_changes, read_heartbeats
 from clusterfit.outputs.logs import rotate
+from clusterfit.service.render import status_lines
 from clusterfit.spec.model import OptimizerSpec
 from clusterfit.worker.heartbeat import Heartbeat
 from clusterfit.worker.optim import build_optimizer, lr_factor, scaled_lr
@@ -218,3 +220,42 @@ def test_the_progress_line_shows_a_user_s_epoch_report_without_a_loss() -> None:
     assert _train_stats(trainer) == "epoch 1 loss 0.250 12.0 img/s"
     user = {"kind": "train", "step": 7, "epoch": 1, "images_per_s": 12.5}
     assert _train_stats(user) == "epoch 1 images_per_s 12.5"
+
+
+def test_membership_changes_are_the_start_records_whose_node_count_differs_from_the_one_before() -> None:
+    starts = [
+        {"step": 0, "nodes": 1, "world_size": 2, "time": 1.0},
+        {"step": 0, "nodes": 2, "world_size": 4, "time": 2.0},  # a node joined before the first step
+        {"step": 30, "nodes": 2, "world_size": 4, "time": 3.0},  # a restart on the same nodes: no change
+        {"step": 40, "nodes": 1, "world_size": 2, "time": 4.0},
+        {"step": 40},  # a record of a version that did not count nodes: no change
+        {"step": 50, "nodes": 2, "world_size": 4, "time": 5.0},
+    ]
+    changes = membership_changes(starts)
+    assert [(c.step, c.nodes_before, c.nodes, c.world_size) for c in changes] == [
+        (0, 1, 2, 4),
+        (40, 2, 1, 2),
+        (50, 1, 2, 4),
+    ]
+    assert changes[1].text == "2 -> 1 node(s) (world size 2) at step 40"
+
+
+def test_status_shows_an_elastic_jobs_nodes_and_each_change() -> None:
+    change = membership_changes([{"step": 0, "nodes": 2}, {"step": 40, "nodes": 1, "world_size": 1, "time": 0.0}])[0]
+    status = {
+        "id": "abc",
+        "name": "tiny",
+        "state": "RUNNING",
+        "attempt": 1,
+        "max_retries": 0,
+        "backend": "ray",
+        "ranks": 2,
+        "priority": 0,
+        "submitted_at": None,
+        "logs_dir": "runs/tiny/logs",
+        "nodes": {"allowed": "1:2", "now": 1, "changes": [{**asdict(change), "text": change.text}]},
+    }
+    lines = status_lines(status)
+    assert "nodes: 1 now, 1:2 allowed (elastic)" in lines
+    assert any(line.endswith("  2 -> 1 node(s) (world size 1) at step 40") for line in lines)
+    assert not any(line.startswith("nodes:") for line in status_lines({**status, "nodes": None}))

@@ -52,7 +52,7 @@ def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
             "AZURE_STORAGE_SAS_TOKEN from it in your image, or use a workload identity"
         )
     k8s, res = spec.resources.kubernetes, spec.resources
-    name, nodes = resource_name(spec.name), res.instance_count
+    name = resource_name(spec.name)
     nproc = spec.distribution.process_count_per_instance
     labels = {"app.kubernetes.io/managed-by": "clusterfit", "clusterfit/job": name}
     spec_path = f"{SPEC_DIR}/{RESOLVED_SPEC}"
@@ -103,23 +103,28 @@ def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
             "elasticPolicy": {
                 "rdzvBackend": "c10d",
                 "rdzvPort": RDZV_PORT,
-                "minReplicas": nodes,
-                "maxReplicas": nodes,
+                "minReplicas": res.min_nodes,
+                "maxReplicas": res.max_nodes,
                 "maxRestarts": spec.distribution.max_restarts,
                 "nProcPerNode": nproc,
             },
             "pytorchReplicaSpecs": {
                 "Worker": {
-                    "replicas": nodes,
-                    # torchrun restarts its workers itself (max_restarts); a failed pod fails the job.
-                    "restartPolicy": "Never",
+                    # An elastic job asks for MAX pods and starts once MIN run; torchrun restarts its workers
+                    # itself (max_restarts). A failed pod fails a fixed job; an elastic job's is recreated and
+                    # rejoins, up to runPolicy.backoffLimit times.
+                    "replicas": res.max_nodes,
+                    "restartPolicy": "OnFailure" if res.elastic else "Never",
                     "template": {
                         "metadata": {"labels": labels},
                         "spec": {"containers": [container], "volumes": volumes},
                     },
                 }
             },
-            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": 0},
+            "runPolicy": {
+                "cleanPodPolicy": "Running",
+                "backoffLimit": spec.distribution.max_restarts if res.elastic else 0,
+            },
         },
     }
     return [config_map, job]

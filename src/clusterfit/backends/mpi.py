@@ -55,7 +55,7 @@ def mpirun_command(spec: JobSpec, *, mpirun: str, python: str = sys.executable) 
     return [
         mpirun,
         "-np",
-        str(per_node * spec.resources.instance_count),
+        str(per_node * spec.resources.max_nodes),
         "--map-by",
         f"ppr:{per_node}:node:OVERSUBSCRIBE",
         "--bind-to",

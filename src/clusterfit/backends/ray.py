@@ -53,6 +53,8 @@ _PLACEMENT_TIMEOUT_S = 120.0
 _STOP_GRACE_S = 20.0
 _NODE0_RDZV = "<node 0 IP>:<free port>"
 _LOST_NODE_EXIT = 1  # the exit code of a node whose actor died with its agent
+_GROW_EVERY_S = 5.0  # an elastic job looks for nodes with room this often
+_JOIN_TIMEOUT_S = 30.0  # an actor Ray has not placed by then lost its node's room to someone else
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,12 @@ class AgentState:
     finished_at: float | None = None
 
 
-def job_exit_code(states: list[AgentState]) -> int | None:
+def job_exit_code(states: list[AgentState], *, elastic: bool = False) -> int | None:
     """The job's exit code: the first non-zero agent exit (the others cannot finish without that node),
-    0 once every agent exited cleanly, None while the job runs."""
+    0 once every agent exited cleanly, None while the job runs. An elastic job's is node 0's (`states[0]`),
+    whose agent hosts the rendezvous: the others may come and go while it trains on."""
+    if elastic:
+        return states[0].exit_code
     failed = [s for s in states if s.exit_code not in (None, 0)]
     if failed:
         return min(failed, key=lambda s: s.finished_at or 0.0).exit_code
@@ -156,7 +161,7 @@ class RayBackend:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
-        nodes = spec.resources.instance_count
+        nodes = spec.resources.min_nodes  # an elastic job starts once MIN are placed; more join as they come
         group = placement_group([bundle(spec)] * nodes, strategy=PLACEMENT_STRATEGY, name=job_id, lifetime="detached")
         ready, _ = ray.wait([group.ready()], timeout=_PLACEMENT_TIMEOUT_S)
         if not ready:
@@ -171,38 +176,34 @@ class RayBackend:
                 # Enough nodes that large exist: they are busy, and may be free later. Too few never will be.
                 retryable=len(big_enough) >= nodes,
             )
-        agent_class = ray.remote(NodeAgent)
         actors = [
-            agent_class.options(
-                name=_actor_name(job_id, node),
-                namespace=NAMESPACE,
-                lifetime="detached",
-                max_restarts=0,
-                num_cpus=bundle(spec)["CPU"],
-                num_gpus=bundle(spec).get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=node),
-            ).remote()
+            _new_agent(
+                ray, spec, job_id, node, PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=node)
+            )
             for node in range(nodes)
         ]
-        ref = EngineRef(self.name, job_id, {"address": cluster_address(spec), "nodes": str(nodes)})
-        run = RayRun(ref, actors, ray)
+        extra = {"address": cluster_address(spec), "nodes": str(spec.resources.max_nodes)}
+        ref = EngineRef(self.name, job_id, {**extra, "elastic": "1"} if spec.resources.elastic else extra)
+        run = RayRun(ref, dict(enumerate(actors)), ray)
         try:
             places = ray.get([actor.where.remote() for actor in actors])
-            rdzv_endpoint = f"{places[0].ip}:{ray.get(actors[0].free_port.remote())}"
-            log_dir = str(JobOutputs.at(Path(spec.outputs.dir).resolve()).logs)
-            starts = [
-                actor.start.remote(
-                    node_command(
-                        spec, node, python=place.python, node_ip=place.ip, rdzv_endpoint=rdzv_endpoint, run_id=job_id
-                    ),
-                    {**rendered.env, **rendered.secret_env},
-                    rendered.files,
-                    log_dir,
-                    os.getcwd(),
-                )
-                for node, (actor, place) in enumerate(zip(actors, places, strict=True))
-            ]
-            ray.get(starts)
+            launch = AgentLaunch(
+                spec=spec,
+                job_id=job_id,
+                rdzv_endpoint=f"{places[0].ip}:{ray.get(actors[0].free_port.remote())}",
+                env={**rendered.env, **rendered.secret_env},
+                files=rendered.files,
+                log_dir=str(JobOutputs.at(Path(spec.outputs.dir).resolve()).logs),
+                cwd=os.getcwd(),
+            )
+            ray.get(
+                [
+                    launch.start(actor, node, place)
+                    for node, (actor, place) in enumerate(zip(actors, places, strict=True))
+                ]
+            )
+            if spec.resources.elastic:
+                run.grow_with(launch)
         except Exception as exc:
             run.cancel()
             cause = getattr(exc, "cause", None) or exc  # a RayTaskError carries the actor's own exception
@@ -216,37 +217,141 @@ class RayBackend:
         actors = _find_actors(ray, ref)
         if not actors:
             return EngineStatus("gone")
-        code = job_exit_code(_agent_states(ray, actors))
+        if _is_elastic(ref) and 0 not in actors:
+            return EngineStatus("exited", _LOST_NODE_EXIT)  # node 0 hosted the rendezvous: the others cannot go on
+        code = job_exit_code(_agent_states(ray, list(actors.values())), elastic=_is_elastic(ref))
         return EngineStatus("running") if code is None else EngineStatus("exited", code)
 
     def cancel(self, ref: EngineRef) -> None:
         ray = _connect(ref.extra.get("address", "auto"))
-        _tear_down(ray, ref.id, _find_actors(ray, ref))
+        _tear_down(ray, ref.id, list(_find_actors(ray, ref).values()))
+
+
+@dataclass(frozen=True)
+class AgentLaunch:
+    """Everything needed to start one node's agent of a job, at submission or when an elastic job grows."""
+
+    spec: JobSpec
+    job_id: str
+    rdzv_endpoint: str
+    env: dict[str, str]
+    files: dict[str, str]
+    log_dir: str
+    cwd: str
+
+    def start(self, actor: Any, node: int, place: NodePlace) -> Any:
+        command = node_command(
+            self.spec, node, python=place.python, node_ip=place.ip, rdzv_endpoint=self.rdzv_endpoint, run_id=self.job_id
+        )
+        return actor.start.remote(command, self.env, self.files, self.log_dir, self.cwd)
+
+
+@dataclass
+class _Joining:
+    """An agent actor pinned to a node that had room when it was asked for; it joins once Ray places it."""
+
+    actor: Any
+    place: Any  # the ObjectRef of actor.where()
+    node_id: str
+    since: float
 
 
 class RayRun:
-    """The submitting process's view of a Ray job: polls the node actors, tears everything down at the end."""
+    """The submitting process's view of a Ray job: polls the node actors, tears everything down at the end.
+    For an elastic job it also fills the free node slots (up to MAX) with agents on Ray nodes that have room,
+    and forgets the agents of lost nodes; the agents re-rendezvous by themselves."""
 
-    def __init__(self, ref: EngineRef, actors: list[Any], ray: Any) -> None:
+    def __init__(self, ref: EngineRef, actors: dict[int, Any], ray: Any) -> None:
         self.ref = ref
-        self._actors = actors
+        self._actors = actors  # node slot -> its agent's actor
         self._ray = ray
         self._exit_code: int | None = None
+        self._launch: AgentLaunch | None = None
+        self._joining: dict[int, _Joining] = {}
+        self._used_nodes: set[str] = set()  # Ray node ids that host (or hosted) one of this job's agents
+        self._next_look = 0.0
+
+    def grow_with(self, launch: AgentLaunch) -> None:
+        self._launch = launch
+        self._used_nodes |= set(self._ray.get([actor.node_id.remote() for actor in self._actors.values()]))
+        self._grow()
 
     def poll(self) -> int | None:
         if self._exit_code is None:
-            code = job_exit_code(_agent_states(self._ray, self._actors))
+            states = _agent_states(self._ray, list(self._actors.values()))
+            code = job_exit_code(states, elastic=self._launch is not None)
             if code is not None:
-                _tear_down(self._ray, self.ref.id, self._actors)  # stops the other nodes after a failure
+                _tear_down(self._ray, self.ref.id, self._all_actors())  # stops the other nodes after a failure
                 self._exit_code = code
+            elif self._launch is not None:
+                self._forget_lost(states)
+                self._grow()
         return self._exit_code
+
+    def _all_actors(self) -> list[Any]:
+        return [*self._actors.values(), *(joining.actor for joining in self._joining.values())]
+
+    def _forget_lost(self, states: list[AgentState]) -> None:
+        """Frees the slot of every node whose agent ended while node 0 trains on: the node died, or its agent
+        gave up. Its node is never used again by this job."""
+        for (node, actor), state in zip(list(self._actors.items()), states, strict=True):
+            if node != 0 and state.exit_code not in (None, 0):
+                with contextlib.suppress(Exception):  # an actor still alive: stop what is left of its agent
+                    self._ray.get(actor.stop.remote(), timeout=_STOP_GRACE_S + 10)
+                with contextlib.suppress(Exception):  # frees its room and its name for a new agent
+                    self._ray.kill(actor, no_restart=True)
+                del self._actors[node]
+
+    def _grow(self) -> None:
+        """Starts the agents whose actors Ray has placed; asks for new ones on nodes with room, every few seconds."""
+        assert self._launch is not None
+        for node, joining in list(self._joining.items()):
+            ready, _ = self._ray.wait([joining.place], timeout=0)
+            if ready:
+                with contextlib.suppress(Exception):  # a node that died as it joined: its slot stays free
+                    self._ray.get(self._launch.start(joining.actor, node, self._ray.get(joining.place)))
+                    self._actors[node] = joining.actor
+                del self._joining[node]
+            elif time.monotonic() - joining.since > _JOIN_TIMEOUT_S:  # its room was taken meanwhile
+                self._ray.kill(joining.actor, no_restart=True)
+                self._used_nodes.discard(joining.node_id)
+                del self._joining[node]
+        if time.monotonic() < self._next_look:
+            return
+        self._next_look = time.monotonic() + _GROW_EVERY_S
+        free = [
+            n for n in range(self._launch.spec.resources.max_nodes) if n not in self._actors and n not in self._joining
+        ]
+        wanted = bundle(self._launch.spec)
+        for ray_node in self._ray.nodes():
+            if not free:
+                return
+            if (
+                ray_node.get("Alive")
+                and ray_node["NodeID"] not in self._used_nodes
+                and _holds(ray_node.get("Resources", {}), wanted)
+            ):
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                try:
+                    actor = _new_agent(
+                        self._ray,
+                        self._launch.spec,
+                        self.ref.id,
+                        free[0],
+                        NodeAffinitySchedulingStrategy(ray_node["NodeID"], soft=False),
+                    )
+                except ValueError:  # the slot's name is still held by the agent it lost: next time
+                    return
+                self._joining[free.pop(0)] = _Joining(actor, actor.where.remote(), ray_node["NodeID"], time.monotonic())
+                self._used_nodes.add(ray_node["NodeID"])
 
     def wait(self, timeout: float | None = None) -> int:
         return wait_for_exit(self.poll, timeout, f"Ray job {self.ref.id}", every_s=0.5)
 
     def cancel(self) -> None:
         if self._exit_code is None:
-            _tear_down(self._ray, self.ref.id, self._actors)
+            _tear_down(self._ray, self.ref.id, self._all_actors())
             self._exit_code = -signal.SIGTERM  # what a cancelled agent reports on every other engine
 
 
@@ -269,6 +374,11 @@ class NodeAgent:
         import ray
 
         return NodePlace(ray.util.get_node_ip_address(), sys.executable)
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def free_port(self) -> int:
         return free_port()
@@ -349,6 +459,27 @@ def _actor_name(job_id: str, node: int) -> str:
     return f"{job_id}-node-{node}"
 
 
+def _new_agent(ray: Any, spec: JobSpec, job_id: str, node: int, strategy: Any) -> Any:
+    """The detached actor of node slot `node`, reserving the job's bundle where `strategy` places it."""
+    return (
+        ray.remote(NodeAgent)
+        .options(
+            name=_actor_name(job_id, node),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            max_restarts=0,
+            num_cpus=bundle(spec)["CPU"],
+            num_gpus=bundle(spec).get("GPU", 0),
+            scheduling_strategy=strategy,
+        )
+        .remote()
+    )
+
+
+def _is_elastic(ref: EngineRef) -> bool:
+    return ref.extra.get("elastic") == "1"
+
+
 def _connect(address: str) -> Any:
     """The `ray` module, connected to the cluster at `address` (once per process)."""
     try:
@@ -391,11 +522,12 @@ def _check_reachable(address: str) -> None:
     )
 
 
-def _find_actors(ray: Any, ref: EngineRef) -> list[Any]:
-    actors = []
+def _find_actors(ray: Any, ref: EngineRef) -> dict[int, Any]:
+    """Node slot -> actor, of the job's agents that Ray still knows."""
+    actors = {}
     for node in range(int(ref.extra.get("nodes", "0"))):
         with contextlib.suppress(ValueError):
-            actors.append(ray.get_actor(_actor_name(ref.id, node), namespace=NAMESPACE))
+            actors[node] = ray.get_actor(_actor_name(ref.id, node), namespace=NAMESPACE)
     return actors
 
 

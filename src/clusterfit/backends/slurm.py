@@ -75,7 +75,7 @@ def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
     nproc = spec.distribution.process_count_per_instance
     directives = [
         f"--job-name={spec.name}",
-        f"--nodes={res.instance_count}",
+        f"--nodes={res.max_nodes}",
         "--ntasks-per-node=1",  # one torchrun agent per node; it starts the node's workers
         "--exclusive",  # the agent's workers share the node's cores (OMP threads = cores / workers)
         f"--chdir={workdir}",
@@ -97,7 +97,7 @@ def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
     launch = _mpirun_lines(spec, python) if launched_by_mpirun(spec) else _agent_lines(spec, python)
     lines = [
         "#!/bin/bash",
-        f"# clusterfit job {spec.name}: {res.instance_count} node(s) x {nproc} process(es), written by clusterfit run",
+        f"# clusterfit job {spec.name}: {res.max_nodes} node(s) x {nproc} process(es), written by clusterfit run",
         *[f"#SBATCH {directive}" for directive in directives],
         "set -uo pipefail",
         *[f"export {key}={shlex.quote(value)}" for key, value in sorted(env.items())],

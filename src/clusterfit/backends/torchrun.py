@@ -16,6 +16,9 @@ from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.spec.model import JobSpec
 
 RDZV_PORT = 29400  # torchrun's default c10d port on the first node
+ELASTIC_LAST_CALL_S = 5
+ELASTIC_KEEP_ALIVE_S = 2
+ELASTIC_KEEP_ALIVE_ATTEMPTS = 4
 
 
 def threads_per_worker(processes: int, cores: int | None = None) -> int:
@@ -100,19 +103,28 @@ def torchrun_command(
     `rdzv_is_host` says whether this node's agent hosts the rendezvous store (torchrun guesses it from the
     host name otherwise, which is ambiguous when several nodes share one host); `local_addr` is the address
     other nodes reach this one at (torchrun uses its host name otherwise, which may not resolve elsewhere)."""
-    dist = spec.distribution
-    nodes = spec.resources.instance_count
+    dist, res = spec.distribution, spec.resources
     if rdzv_endpoint is None:
         placement = ["--standalone", "--nnodes=1"]
     else:
         placement = [
-            f"--nnodes={nodes}",
+            f"--nnodes={res.min_nodes}:{res.max_nodes}" if res.elastic else f"--nnodes={res.max_nodes}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={rdzv_endpoint}",
             f"--rdzv-id={run_id or spec.name}",
         ]
-        if rdzv_is_host is not None:
-            placement.append(f"--rdzv-conf=is_host={int(rdzv_is_host)}")
+        conf = [] if rdzv_is_host is None else [f"is_host={int(rdzv_is_host)}"]
+        if res.elastic:
+            # NOTE: once MIN nodes have joined, a round waits this long for more; torchrun's 30 s would add
+            # half a minute to every start and every recovery from a lost node. And a lost node is known dead
+            # after KEEP_ALIVE x ATTEMPTS without its heartbeat (torchrun's 5 s x 3 made a recovery take 20 s).
+            conf += [
+                f"last_call_timeout={ELASTIC_LAST_CALL_S}",
+                f"keep_alive_interval={ELASTIC_KEEP_ALIVE_S}",
+                f"keep_alive_max_attempt={ELASTIC_KEEP_ALIVE_ATTEMPTS}",
+            ]
+        if conf:
+            placement.append(f"--rdzv-conf={','.join(conf)}")
         if local_addr is not None:
             placement.append(f"--local-addr={local_addr}")
     return [

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from clusterfit.monitoring.logtail import LogFollower
 from clusterfit.monitoring.tracebacks import HeldTracebacks
-from clusterfit.outputs import JobOutputs, MetricsTail, RecordKind, metrics_text
+from clusterfit.outputs import JobOutputs, MetricsTail, RecordKind, membership_changes, metrics_text
 
 
 class LiveView:
@@ -36,6 +36,7 @@ class LiveView:
         )
         self.bar = Progress(*columns, console=console)
         self.task = self.bar.add_task("starting", total=None, stats="")
+        self._last_start: dict[str, Any] | None = None
 
     def __enter__(self) -> LiveView:
         self.bar.__enter__()
@@ -50,7 +51,14 @@ class LiveView:
             for shown in self.tracebacks.feed(line):
                 self._print(shown)
         for record in self.metrics.read_new():
+            if record.get("kind") == RecordKind.START:
+                self._report_membership(record)
             _update(self.bar, self.task, record)
+
+    def _report_membership(self, start: dict[str, Any]) -> None:
+        for change in membership_changes([self._last_start or start, start]):
+            self._print(f"nodes: {change.text}")
+        self._last_start = start
 
     def release_tracebacks(self) -> None:
         for line in self.tracebacks.release():

@@ -16,10 +16,12 @@ from clusterfit.outputs.env import (
 from clusterfit.outputs.heartbeats import Phase, RankBeat, clear_heartbeats, read_heartbeats, write_heartbeat
 from clusterfit.outputs.layout import JobOutputs, model_torchscript, model_weights
 from clusterfit.outputs.metrics import (
+    MembershipChange,
     MetricsTail,
     MetricsWriter,
     RecordKind,
     last_record,
+    membership_changes,
     metrics_text,
     own_metrics,
     read_records,
@@ -34,6 +36,7 @@ __all__ = [
     "SPEC_ENV",
     "STORAGE_SAS_TOKEN_ENV",
     "JobOutputs",
+    "MembershipChange",
     "MetricsTail",
     "MetricsWriter",
     "Phase",
@@ -42,6 +45,7 @@ __all__ = [
     "clear_heartbeats",
     "finished_this_run",
     "last_record",
+    "membership_changes",
     "metrics_text",
     "model_torchscript",
     "model_weights",

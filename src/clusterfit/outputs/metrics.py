@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,6 +32,35 @@ def metrics_text(metrics: dict[str, Any], separator: str = ", ") -> str:
     """`name value` pairs as status and the progress bar print them."""
     pairs = (f"{key} {value:.6g}" if isinstance(value, float) else f"{key} {value}" for key, value in metrics.items())
     return separator.join(pairs)
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """An elastic job's rendezvous round that started with another node count than the round before."""
+
+    step: int  # where training went on
+    nodes_before: int
+    nodes: int
+    world_size: int
+    time: float | None
+
+    @property
+    def text(self) -> str:
+        return f"{self.nodes_before} -> {self.nodes} node(s) (world size {self.world_size}) at step {self.step}"
+
+
+def membership_changes(starts: Iterable[dict[str, Any]]) -> list[MembershipChange]:
+    """Every change of node count between consecutive start records (one per rendezvous round, written by
+    rank 0): the nodes an elastic job lost or gained, and where it went on."""
+    changes, before = [], None
+    for start in starts:
+        nodes = start.get("nodes")
+        if before is not None and nodes is not None and nodes != before:
+            changes.append(
+                MembershipChange(start["step"], before, nodes, start.get("world_size", 0), start.get("time"))
+            )
+        before = nodes if nodes is not None else before
+    return changes
 
 
 class MetricsWriter:

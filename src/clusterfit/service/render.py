@@ -4,6 +4,7 @@ store or from a server."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import yaml
@@ -72,6 +73,11 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         lines.append("progress: " + ", ".join(parts))
     if status.get("metrics"):
         lines.append(f"metrics at step {status['metrics_step']}: " + metrics_text(status["metrics"]))
+    if status.get("nodes"):
+        nodes = status["nodes"]
+        now = "not started" if nodes["now"] is None else f"{nodes['now']} now"
+        lines.append(f"nodes: {now}, {nodes['allowed']} allowed (elastic)")
+        lines += [f"  {_clock(change['time'])}  {change['text']}" for change in nodes["changes"]]
     for rank in status.get("ranks_health", []):
         rate = "" if rank["images_per_s"] is None else f", {rank['images_per_s']:.1f} images/s"
         lines.append(
@@ -83,6 +89,10 @@ def status_lines(status: dict[str, Any]) -> list[str]:
         lines += [f"  {line}" for line in (status.get("cause_detail") or "").splitlines()]
     lines.append(f"logs: {status['logs_dir']}  (clusterfit logs {status['id']})")
     return lines
+
+
+def _clock(seconds: float | None) -> str:
+    return "--:--:--" if seconds is None else time.strftime("%H:%M:%S", time.localtime(seconds))
 
 
 def history_lines(status: dict[str, Any]) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from datetime import datetime
 from typing import Any
 
@@ -12,6 +13,7 @@ from clusterfit.outputs import (
     JobOutputs,
     RecordKind,
     last_record,
+    membership_changes,
     own_metrics,
     read_heartbeats,
     read_records,
@@ -89,10 +91,24 @@ def latest_metrics(job: Job) -> tuple[int | None, dict[str, Any]]:
     return record.get("step"), own_metrics(record)
 
 
+def node_membership(job: Job) -> dict[str, Any] | None:
+    """An elastic job's nodes: allowed (MIN:MAX), now (the last round's), and each change with its step."""
+    allowed = yaml.safe_load(job.spec_yaml).get("resources", {}).get("instance_count")
+    if not isinstance(allowed, str):
+        return None  # a fixed node count: nothing to follow
+    starts = read_records(JobOutputs.at(job.outputs_dir).metrics, (RecordKind.START,))
+    return {
+        "allowed": allowed,
+        "now": starts[-1].get("nodes") if starts else None,
+        "changes": [{**asdict(change), "text": change.text} for change in membership_changes(starts)],
+    }
+
+
 def job_status(store: JobStore, job: Job) -> dict[str, Any]:
     metrics_step, metrics = latest_metrics(job)
     return {
         **job_row(job),
+        "nodes": node_membership(job),
         "metrics_step": metrics_step,
         "metrics": metrics,
         "outputs_dir": job.outputs_dir,

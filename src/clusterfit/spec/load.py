@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import reprlib
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,28 @@ MAX_SPEC_NODES = 20_000  # after aliases are expanded
 _MAX_SHOWN = 200  # characters of a bad value quoted in an error
 
 
-class _BoundedLoader(yaml.SafeLoader):
+class _SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without YAML 1.1's base-60 integers, which made `instance_count: 1:2` the number 62."""
+
+
+_INT = "tag:yaml.org,2002:int"
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != _INT]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_SpecLoader.add_implicit_resolver(
+    _INT,
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"),
+)
+
+
+def spec_yaml(text: str) -> Any:
+    """One YAML document as a spec reads it (no base-60 integers)."""
+    return yaml.load(text, Loader=_SpecLoader)  # noqa: S506 - a SafeLoader
+
+
+class _BoundedLoader(_SpecLoader):
     """PyYAML's safe loader that refuses deep nesting while composing and counts the expanded node tree."""
 
     def __init__(self, stream: str) -> None:
@@ -121,7 +143,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     if not sep or not key.strip():
         raise SpecError(f"--set {override!r}: expected KEY=VALUE, e.g. --set trainer.epochs=2")
     try:
-        value = yaml.safe_load(text)
+        value = spec_yaml(text)
     except yaml.YAMLError:
         value = text
     parts = key.strip().split(".")

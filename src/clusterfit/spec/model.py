@@ -5,7 +5,16 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from clusterfit.spec.model_names import MODEL_NAMES, has_residual_stages, image_size_problem, unknown_model
 
@@ -416,8 +425,30 @@ class KubernetesSpec(_Strict):
     memory: str = Field("8Gi", description="memory request and limit per pod")
 
 
+def node_range(value: object) -> tuple[int, int]:
+    """`instance_count` as (fewest, most) nodes: 4 is (4, 4), "2:4" an elastic job of 2 to 4 nodes."""
+    text = "" if isinstance(value, bool) else str(value).strip()
+    low, colon, high = text.partition(":")
+    high = high if colon else low
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+        raise ValueError(
+            f"{value!r} is neither a node count nor MIN:MAX; give a whole number of at least 1, or MIN:MAX with "
+            "1 <= MIN <= MAX for an elastic job (for example 1:4)"
+        )
+    return int(low), int(high)
+
+
+def _node_count_or_range(value: object) -> int | str:
+    low, high = node_range(value)
+    return low if low == high else f"{low}:{high}"  # "4:4" is the plain 4, so rendering never sees a range of one
+
+
 class ResourcesSpec(_Strict):
-    instance_count: int = Field(1, ge=1, description="nodes; torchrun's agent runs once on each")
+    instance_count: Annotated[int | str, BeforeValidator(_node_count_or_range)] = Field(
+        1,
+        description="nodes; torchrun's agent runs once on each. MIN:MAX (e.g. 1:4) for an elastic job that starts "
+        "with MIN and takes up to MAX, losing and gaining nodes while it runs (see docs/engines.md#elastic-jobs)",
+    )
     backend: Literal["local", "ray", "slurm", "kubernetes"] = "local"
     gpus_per_instance: int = Field(0, ge=0, description="GPUs per node (Slurm --gpus-per-node, nvidia.com/gpu)")
     ray_address: str | None = Field(
@@ -426,6 +457,18 @@ class ResourcesSpec(_Strict):
     )
     slurm: SlurmSpec = SlurmSpec()
     kubernetes: KubernetesSpec = KubernetesSpec()
+
+    @property
+    def min_nodes(self) -> int:
+        return node_range(self.instance_count)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return node_range(self.instance_count)[1]
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.max_nodes
 
 
 class OutputsSpec(_Strict):
@@ -573,11 +616,14 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _pipeline_fits_the_workers(self) -> JobSpec:
         options = self.trainer.strategy_options if self.trainer else None
-        if isinstance(options, PipelineOptions) and self.world_size % options.stages:
-            raise ValueError(
-                f"trainer.strategy_options.stages = {options.stages} does not divide the {self.world_size} workers; "
-                "choose stages that divide instance_count x process_count_per_instance"
-            )
+        per_node, res = self.distribution.process_count_per_instance, self.resources
+        for workers in (nodes * per_node for nodes in range(res.min_nodes, res.max_nodes + 1)):
+            if isinstance(options, PipelineOptions) and workers % options.stages:
+                raise ValueError(
+                    f"trainer.strategy_options.stages = {options.stages} does not divide the {workers} workers; "
+                    "choose stages that divide instance_count x process_count_per_instance"
+                    + (" for every node count of the elastic range" if res.elastic else "")
+                )
         return self
 
     @model_validator(mode="after")
@@ -605,11 +651,36 @@ class JobSpec(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _elastic_can_regroup(self) -> JobSpec:
+        res, dist = self.resources, self.distribution
+        if not res.elastic:
+            return self
+        shown = f"resources.instance_count = {res.instance_count!r}"
+        if res.backend == "slurm":
+            raise ValueError(
+                f"{shown}: Slurm gives a job a fixed set of nodes and ends it when one fails; give a node count "
+                "(a requeued job resumes from its checkpoint, see docs/engines.md#elastic-jobs)"
+            )
+        if self.command is not None and dist.type != "pytorch":
+            raise ValueError(
+                f"{shown}: a {dist.type} job's ranks are fixed when it starts ({_FIXED_WORLD[dist.type]}); give a "
+                "node count, or distribution.type: pytorch"
+            )
+        if dist.max_restarts == 0:
+            raise ValueError(
+                f"{shown} is elastic but distribution.max_restarts = 0, so the first lost node ends the job; set "
+                "max_restarts to the node losses it should survive (for example 3)"
+            )
+        return self
+
     @property
     def world_size(self) -> int:
-        return self.resources.instance_count * self.distribution.process_count_per_instance
+        """The ranks of a full job: of MAX nodes, for an elastic one."""
+        return self.resources.max_nodes * self.distribution.process_count_per_instance
 
 
+_FIXED_WORLD = {"mpi": "mpirun starts them all at once", "tensorflow": "TF_CONFIG lists every worker"}
 _CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # every control character but tab
 _CONTROL_BUT_NEWLINE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _NEWLINE_ALLOWED = {("command",), ("description",)}  # a shell script; prose that reaches no script

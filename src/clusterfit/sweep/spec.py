@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from clusterfit.errors import SpecError
 from clusterfit.spec import load_spec
+from clusterfit.spec.load import spec_yaml
 
 
 class _Strict(BaseModel):
@@ -124,7 +125,7 @@ def load_sweep(path: str | Path) -> tuple[SweepSpec, Path]:
     """The sweep and its base job file; each search-space field is checked against the job spec at once."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = spec_yaml(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise SpecError(f"{path}: cannot read the sweep ({' '.join(str(exc).split())[:200]})") from None
     try:

@@ -15,6 +15,7 @@ class DistEnv:
     local_rank: int
     local_world_size: int
     node_rank: int = 0
+    nodes: int = 1  # agents in this rendezvous round: an elastic job's count changes between rounds
 
     @property
     def is_main(self) -> bool:
@@ -26,8 +27,8 @@ class DistEnv:
 
 
 def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
-    """RANK/WORLD_SIZE/LOCAL_RANK/GROUP_RANK as set by torchrun (or any launcher); a plain `python` run is rank 0
-    of 1."""
+    """RANK/WORLD_SIZE/LOCAL_RANK/GROUP_RANK/GROUP_WORLD_SIZE as set by torchrun (or any launcher); a plain
+    `python` run is rank 0 of 1."""
     env = os.environ if environ is None else environ
     world_size = int(env.get("WORLD_SIZE", "1"))
     return DistEnv(
@@ -36,4 +37,5 @@ def read_dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         local_rank=int(env.get("LOCAL_RANK", "0")),
         local_world_size=int(env.get("LOCAL_WORLD_SIZE", str(world_size))),
         node_rank=int(env.get("GROUP_RANK", "0")),
+        nodes=int(env.get("GROUP_WORLD_SIZE", "1")),
     )

@@ -202,6 +202,7 @@ class Trainer:
                 "steps_per_epoch": self.steps_per_epoch,
                 "epochs": cfg.epochs,
                 "world_size": self.env.world_size,
+                "nodes": self.env.nodes,
                 "precision": self.precision.name,
                 "device": self.device.type,
                 "time": time.time(),
