@@ -26,7 +26,7 @@ def _write_sweep(tmp_path: Path, job: dict, **sweep: object) -> Path:
 
 def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imagefolder: Path) -> None:
     data = {"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "num_classes": None}
-    job = tiny_job(tmp_path / "unused", epochs=2, steps_per_epoch=2, data=data)
+    job = tiny_job(tmp_path / "unused", epochs=1, steps_per_epoch=2, data=data)
     job["distribution"]["process_count_per_instance"] = 1  # two trials fit this machine's 2 slots at once
     sweep = _write_sweep(
         tmp_path,
@@ -34,17 +34,21 @@ def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imag
         name="lr",
         search_space={"trainer.optimizer.lr": {"loguniform": [0.01, 1.0]}},
         objective={"metric": "val_top1", "goal": "maximize"},
-        max_trials=3,
+        max_trials=8,
         max_concurrent=2,
         sampler="random",
         early_stopping={"policy": "none"},
     )
+    # --set changes a sweep field and, for any other key, every trial's job.
+    changes = ["--set", "max_trials=3", "--set", "trainer.epochs=2"]
     # The driver is killed once its first two trials are queued; run again, it takes them up and goes on.
-    driver = subprocess.Popen(cli_command("sweep", "run", str(sweep), "--poll", "0.3"), stdout=subprocess.DEVNULL)
+    driver = subprocess.Popen(
+        cli_command("sweep", "run", str(sweep), *changes, "--poll", "0.3"), stdout=subprocess.DEVNULL
+    )
     wait_for(lambda: len(open_store().list_jobs()) == 2, 60, "two trials to be submitted")
     driver.kill()
     driver.wait()
-    result = run_cli("sweep", "run", str(sweep), "--poll", "0.3")
+    result = run_cli("sweep", "run", str(sweep), *changes, "--poll", "0.3")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resuming with 2 trial(s) running" in result.stdout
     assert result.stdout.count(": job ") == 1 and "best: trial" in result.stdout  # only the third is new
@@ -60,6 +64,11 @@ def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imag
     # between submitting the second and asking the scheduler to start it, which then waits for a slot to free.)
     pairs = itertools.combinations(jobs.values(), 2)
     assert any(a.started_at < b.ended_at and b.started_at < a.ended_at for a, b in pairs)
+    # ... and never more than max_concurrent of them.
+    assert all(
+        sum(other.started_at <= one.started_at < other.ended_at for other in jobs.values()) <= 2
+        for one in jobs.values()
+    )
 
     status = run_cli("sweep", "status", "lr")
     assert status.returncode == 0, status.stderr
@@ -70,7 +79,7 @@ def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imag
     assert values[0] == study.best_value
 
     # Run again: the budget is spent, nothing new is submitted.
-    again = run_cli("sweep", "run", str(sweep), "--poll", "0.3")
+    again = run_cli("sweep", "run", str(sweep), *changes, "--poll", "0.3")
     assert again.returncode == 0 and ": job " not in again.stdout
     assert len(find_study("lr").trials) == 3
 
@@ -123,6 +132,8 @@ def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
         ({"search_space": {"trainer.optimizer.lr": {"loguniform": [0, 1]}}}, ["loguniform", "> 0"]),
         ({"search_space": {"trainer.optimizer.lr": {"uniform": [0.1, 1]}}, "sampler": "grid"}, ["grid", "choice"]),
         ({"first_trials": [{"x": 1}]}, ["first_trials[0]"]),
+        ({"job_overrides": ["trainer.optimizer.lr=0.1"]}, ["job_overrides", "a field the sweep searches"]),
+        ({"job_overrides": ["trainer.epochz=2"]}, ["job_overrides", "trainer.epochz: unknown key"]),
     ],
 )
 def test_a_bad_sweep_is_refused_in_one_line(tmp_path: Path, sweep: dict, words: list[str]) -> None:
@@ -148,3 +159,15 @@ def test_a_trial_s_outputs_go_under_the_sweep_s_folder_or_url() -> None:
 
     assert trial_outputs("runs/lr-sweep", 3) == "runs/lr-sweep/trial-003"
     assert trial_outputs("az://runs/lr-sweep/", 12) == "az://runs/lr-sweep/trial-012"
+
+
+def test_the_example_sweep_and_set_overrides_validate_against_its_job(tmp_path: Path) -> None:
+    from clusterfit.spec import load_spec
+    from clusterfit.sweep.spec import load_sweep
+
+    example = REPO / "examples" / "sweep" / "sweep.yaml"
+    sweep, job_file = load_sweep(example, ["max_trials=4", "trainer.epochs=3"])
+    assert (sweep.max_trials, sweep.max_concurrent, job_file.name) == (4, 2, "small-dataset.yaml")
+    assert sweep.job_overrides[-1] == "trainer.epochs=3"
+    trial = load_spec(job_file, sweep.job_overrides)
+    assert (trial.trainer.epochs, trial.distribution.process_count_per_instance) == (3, 1)

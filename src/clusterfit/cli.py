@@ -712,6 +712,15 @@ SweepName = Annotated[str, typer.Argument(metavar="NAME", help="The sweep's name
 @sweep_app.command("run")
 def sweep_run(
     sweep_file: Annotated[Path, typer.Argument(metavar="SWEEP.yaml", help="The sweep spec.")],
+    overrides: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="KEY=VALUE",
+            help="Change a sweep field (max_trials=4) or, for any other key, the base job of every trial "
+            "(trainer.epochs=2). Repeatable.",
+        ),
+    ] = None,
     poll: Annotated[float, typer.Option(min=0.1, help="Seconds between looks at the running trials.")] = 2.0,
     server: ServerOption = None,
     token: TokenOption = None,
@@ -723,7 +732,7 @@ def sweep_run(
 
     try:
         require_sweep_extra()
-        sweep, job_file = load_sweep(sweep_file)
+        sweep, job_file = load_sweep(sweep_file, overrides)
     except ClusterfitError as exc:
         raise _fail(str(exc), 2) from None
     with _jobs(server, token) as jobs:

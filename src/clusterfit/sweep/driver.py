@@ -107,7 +107,7 @@ class SweepDriver:
         import optuna
 
         outputs = trial_outputs(self.sweep.outputs_dir, trial.number)
-        overrides = [override(field, value) for field, value in trial.params.items()]
+        overrides = [*self.sweep.job_overrides, *(override(field, value) for field, value in trial.params.items())]
         overrides += [f"name={job_name(self.sweep.name, trial.number)}", f"outputs.dir={outputs}"]
         trial.set_user_attr(OUTPUTS, str(outputs))
         try:

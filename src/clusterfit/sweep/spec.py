@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from clusterfit.errors import SpecError
 from clusterfit.spec import load_spec
-from clusterfit.spec.load import spec_yaml
+from clusterfit.spec.load import apply_override, spec_yaml
 
 
 class _Strict(BaseModel):
@@ -77,6 +77,11 @@ class SweepSpec(_Strict):
         "every search-space field",
     )
     outputs_dir: str = Field(description="each trial's outputs go to <outputs_dir>/trial-NNN")
+    job_overrides: list[str] = Field(
+        default_factory=list,
+        description="KEY=VALUE changes to the base job of every trial, as `--set` gives them (e.g. "
+        "trainer.epochs=4); a searched field cannot be one",
+    )
 
     @field_validator("search_space", mode="before")
     @classmethod
@@ -106,6 +111,16 @@ class SweepSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _searched_fields_are_not_overridden(self) -> SweepSpec:
+        for line in self.job_overrides:
+            if line.partition("=")[0].strip() in self.search_space:
+                raise ValueError(
+                    f"job_overrides: {line!r} sets a field the sweep searches; drop it, or drop the field from "
+                    "search_space"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _choices_are_scalars(self) -> SweepSpec:
         for field, dist in self.search_space.items():
             if isinstance(dist, Choice) and not all(isinstance(v, str | int | float | bool) for v in dist.choice):
@@ -121,13 +136,22 @@ class SweepSpec(_Strict):
         return self
 
 
-def load_sweep(path: str | Path) -> tuple[SweepSpec, Path]:
-    """The sweep and its base job file; each search-space field is checked against the job spec at once."""
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[SweepSpec, Path]:
+    """The sweep and its base job file; each search-space field is checked against the job spec at once.
+    `overrides` (`--set KEY=VALUE`) change the sweep's own fields (max_trials, objective.metric, ...); any other
+    key changes the base job of every trial (it joins job_overrides)."""
     path = Path(path)
     try:
         raw = spec_yaml(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
         raise SpecError(f"{path}: cannot read the sweep ({' '.join(str(exc).split())[:200]})") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"{path}: a sweep is a YAML mapping (name:, job:, search_space:, ...)")
+    for line in overrides or []:
+        if line.partition("=")[0].strip().split(".")[0] in SweepSpec.model_fields:
+            apply_override(raw, line)
+        else:
+            raw["job_overrides"] = [*raw.get("job_overrides", []), line]
     try:
         sweep = SweepSpec.model_validate(raw)
     except ValidationError as exc:
@@ -135,10 +159,14 @@ def load_sweep(path: str | Path) -> tuple[SweepSpec, Path]:
         where = ".".join(str(part) for part in first["loc"])
         raise SpecError(f"{path}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
     job_file = (path.parent / sweep.job).resolve()
+    try:
+        load_spec(job_file, sweep.job_overrides)
+    except SpecError as exc:
+        raise SpecError(f"{path}: job_overrides: {exc}") from None
     for field, distribution in sweep.search_space.items():
         example = example_value(distribution)
         try:
-            load_spec(job_file, [override(field, example)])
+            load_spec(job_file, [*sweep.job_overrides, override(field, example)])
         except SpecError as exc:
             raise SpecError(f"{path}: search_space.{field} (tried {example!r}): {exc}") from None
     return sweep, job_file
