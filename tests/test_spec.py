@@ -384,3 +384,17 @@ def test_an_elastic_pipeline_must_divide_every_world_size_of_the_range(tmp_path:
     raw["distribution"].update(process_count_per_instance=1, max_restarts=3)
     with pytest.raises(SpecError, match="stages = 2 does not divide the 1 workers; .* for every node count of the"):
         validate_spec(raw)
+
+
+def test_a_submitted_jobs_relative_paths_are_anchored_where_it_was_submitted(tmp_path: Path) -> None:
+    """A job of the service runs in its own outputs folder: a relative path must mean what it meant to `submit`."""
+    from clusterfit.spec.model import anchored
+
+    raw = tiny_job(Path("runs/tiny"), data={"train": "data/train", "val": "az://c/val", "num_classes": None})
+    raw["trainer"]["init"] = {"weights": "old/model/model.safetensors"}
+    spec = anchored(validate_spec(raw), tmp_path)
+    assert spec.outputs.dir == str(tmp_path / "runs/tiny")
+    assert (spec.trainer.data.train, spec.trainer.data.val) == (str(tmp_path / "data/train"), "az://c/val")
+    assert spec.trainer.init.weights == str(tmp_path / "old/model/model.safetensors")
+    synthetic = anchored(validate_spec(tiny_job(tmp_path / "out")), tmp_path)
+    assert synthetic.trainer.data.train == "synthetic" and synthetic.outputs.dir == str(tmp_path / "out")

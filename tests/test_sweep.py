@@ -25,8 +25,11 @@ def _write_sweep(tmp_path: Path, job: dict, **sweep: object) -> Path:
 
 
 def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imagefolder: Path) -> None:
-    data = {"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "num_classes": None}
-    job = tiny_job(tmp_path / "unused", epochs=1, steps_per_epoch=2, data=data)
+    # Paths relative to where the sweep is run, as in examples/sweep/: each trial's job runs in its own outputs
+    # folder, so they must be made absolute at submission.
+    data = {"train": "data/train", "val": "data/val", "num_classes": None}
+    assert tiny_imagefolder == tmp_path / "data"
+    job = tiny_job(Path("unused"), epochs=1, steps_per_epoch=2, data=data)
     job["distribution"]["process_count_per_instance"] = 1  # two trials fit this machine's 2 slots at once
     sweep = _write_sweep(
         tmp_path,
@@ -40,25 +43,25 @@ def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imag
         early_stopping={"policy": "none"},
     )
     # --set changes a sweep field and, for any other key, every trial's job.
-    changes = ["--set", "max_trials=3", "--set", "trainer.epochs=2"]
+    changes = ["--set", "max_trials=6", "--set", "trainer.epochs=2"]
     # The driver is killed once its first two trials are queued; run again, it takes them up and goes on.
     driver = subprocess.Popen(
-        cli_command("sweep", "run", str(sweep), *changes, "--poll", "0.3"), stdout=subprocess.DEVNULL
+        cli_command("sweep", "run", str(sweep), *changes, "--poll", "0.3"), stdout=subprocess.DEVNULL, cwd=tmp_path
     )
     wait_for(lambda: len(open_store().list_jobs()) == 2, 60, "two trials to be submitted")
     driver.kill()
     driver.wait()
-    result = run_cli("sweep", "run", str(sweep), *changes, "--poll", "0.3")
+    result = run_cli("sweep", "run", str(sweep), *changes, "--poll", "0.3", cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resuming with 2 trial(s) running" in result.stdout
-    assert result.stdout.count(": job ") == 1 and "best: trial" in result.stdout  # only the third is new
+    assert result.stdout.count(": job ") == 4 and "best: trial" in result.stdout  # the first two are not new
 
     study = find_study("lr")
-    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 3
+    assert [t.state.name for t in study.trials] == ["COMPLETE"] * 6
     assert all(t.intermediate_values.keys() == {1, 2} for t in study.trials)  # one report per validated epoch
     store = open_store()
     jobs = {t.number: store.get(t.user_attrs["job_id"]) for t in study.trials}
-    assert {job.name for job in jobs.values()} == {"lr-t000", "lr-t001", "lr-t002"}
+    assert {job.name for job in jobs.values()} == {f"lr-t00{n}" for n in range(6)}
     assert all((Path(t.user_attrs["outputs_dir"]) / "summary.json").is_file() for t in study.trials)
     # Side by side: two trials' jobs ran at the same time. (Not necessarily the first two: the driver is killed
     # between submitting the second and asking the scheduler to start it, which then waits for a slot to free.)
@@ -75,13 +78,15 @@ def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imag
     values = [t.value for t in sorted(study.trials, key=lambda t: -t.value)]
     listed = [int(line.split()[1]) for line in status.stdout.splitlines() if line.startswith("│ ")]
     assert [study.trials[n].value for n in listed] == values, status.stdout  # best first
-    assert len({t.params["trainer.optimizer.lr"] for t in study.trials}) == 3  # the resumed driver drew anew
+    assert len({t.params["trainer.optimizer.lr"] for t in study.trials}) == 6  # the resumed driver drew anew
     assert values[0] == study.best_value
+    assert (Path(study.best_trial.user_attrs["outputs_dir"]) / "model" / "model.safetensors").is_file()
+    assert f"best: trial {study.best_trial.number}" in status.stdout
 
     # Run again: the budget is spent, nothing new is submitted.
-    again = run_cli("sweep", "run", str(sweep), *changes, "--poll", "0.3")
+    again = run_cli("sweep", "run", str(sweep), *changes, "--poll", "0.3", cwd=tmp_path)
     assert again.returncode == 0 and ": job " not in again.stdout
-    assert len(find_study("lr").trials) == 3
+    assert len(find_study("lr").trials) == 6
 
 
 def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
@@ -117,6 +122,8 @@ def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
     assert (first.state.name, first.value, first.params) == ("COMPLETE", 12.0, {"environment_variables.SCALE": 1.0})
     assert second.state.name == "PRUNED" and "pruned at step" in result.stdout
     assert len(second.intermediate_values) < 12  # stopped before its end
+    # The steps spent (one report per step) are fewer than without pruning, where each trial runs its 12.
+    assert len(first.intermediate_values) + len(second.intermediate_values) < 2 * 12
     pruned_job = second.user_attrs["job_id"]
     wait_for(lambda: open_store().get(pruned_job).state == "CANCELLED", 60, "the pruned trial's job to stop")
     status = run_cli("sweep", "status", "scaled", "--plot", str(tmp_path / "curves.png"))
@@ -134,6 +141,7 @@ def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
         ({"first_trials": [{"x": 1}]}, ["first_trials[0]"]),
         ({"job_overrides": ["trainer.optimizer.lr=0.1"]}, ["job_overrides", "a field the sweep searches"]),
         ({"job_overrides": ["trainer.epochz=2"]}, ["job_overrides", "trainer.epochz: unknown key"]),
+        ({"search_space": {"trainer.batch_size": {"choice": ["big", 8]}}}, ["trainer.batch_size", "valid integer"]),
     ],
 )
 def test_a_bad_sweep_is_refused_in_one_line(tmp_path: Path, sweep: dict, words: list[str]) -> None:

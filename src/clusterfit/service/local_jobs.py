@@ -20,6 +20,7 @@ from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import Job, JobNotFound, JobStore, StateConflict
 from clusterfit.service.views import job_details, job_row, job_status, metrics_series
 from clusterfit.spec import JobSpec, load_spec, load_spec_text
+from clusterfit.spec.model import anchored
 from clusterfit.storage.filesystems import credentials
 from clusterfit.storage.outputs_mirror import OutputsMirror
 
@@ -51,8 +52,10 @@ class LocalJobs:
     start_jobs: bool = True  # False on a paused server: submissions are queued, none is started
 
     def submit(self, spec_file: Path, overrides: list[str] | None = None) -> dict[str, Any]:
-        """A job file of this machine, queued for the user running the command."""
-        return self.enqueue(checked_spec(lambda: load_spec(spec_file, overrides)), owner=local_user())
+        """A job file of this machine, queued for the user running the command; its relative paths are read
+        from the current folder, as `clusterfit run` reads them."""
+        spec = checked_spec(lambda: load_spec(spec_file, overrides))
+        return self.enqueue(anchored(spec, Path.cwd()), owner=local_user())
 
     def submit_text(
         self, text: str, overrides: list[str], source: str, owner: str, *, commands: bool = True

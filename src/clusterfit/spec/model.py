@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -678,6 +679,35 @@ class JobSpec(_Strict):
     def world_size(self) -> int:
         """The ranks of a full job: of MAX nodes, for an elastic one."""
         return self.resources.max_nodes * self.distribution.process_count_per_instance
+
+
+def anchored(spec: JobSpec, base: Path) -> JobSpec:
+    """The spec with its relative local paths (data folders, starting weights, a command job's code, a scorer's
+    model and input, outputs.dir) made absolute from `base`: a submitted job runs in its own outputs folder, so
+    a path relative to where it was submitted would lead nowhere."""
+
+    def absolute(path: str | None) -> str | None:
+        if path is None or path == SYNTHETIC or is_url(path) or path.startswith("~") or Path(path).is_absolute():
+            return path
+        return str(base / path)
+
+    changes: dict[str, Any] = {
+        "outputs": spec.outputs.model_copy(update={"dir": absolute(spec.outputs.dir)}),
+        "code": absolute(spec.code),
+    }
+    if spec.trainer is not None:
+        data = spec.trainer.data.model_copy(
+            update={"train": absolute(spec.trainer.data.train), "val": absolute(spec.trainer.data.val)}
+        )
+        init = spec.trainer.init
+        changes["trainer"] = spec.trainer.model_copy(
+            update={"data": data, "init": init and init.model_copy(update={"weights": absolute(init.weights)})}
+        )
+    if spec.scorer is not None:
+        changes["scorer"] = spec.scorer.model_copy(
+            update={"model_dir": absolute(spec.scorer.model_dir), "input": absolute(spec.scorer.input)}
+        )
+    return spec.model_copy(update=changes)
 
 
 _FIXED_WORLD = {"mpi": "mpirun starts them all at once", "tensorflow": "TF_CONFIG lists every worker"}

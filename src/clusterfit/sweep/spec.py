@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from clusterfit.errors import SpecError
 from clusterfit.spec import load_spec
 from clusterfit.spec.load import apply_override, spec_yaml
+from clusterfit.spec.model import is_url
 
 
 class _Strict(BaseModel):
@@ -159,6 +160,8 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
         where = ".".join(str(part) for part in first["loc"])
         raise SpecError(f"{path}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
     job_file = (path.parent / sweep.job).resolve()
+    if not is_url(sweep.outputs_dir):  # read from where the sweep runs, as a job's outputs.dir is
+        sweep = sweep.model_copy(update={"outputs_dir": str(Path(sweep.outputs_dir).expanduser().resolve())})
     try:
         load_spec(job_file, sweep.job_overrides)
     except SpecError as exc:
