@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import torch
 from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 from azurite import ACCOUNT, KEY, Azurite
 from conftest import cli_command, one_image_per_class, tiny_job, write_job
+from safetensors.torch import save_file
 from services import skip_reason
 from torch.utils.data import DataLoader
 
@@ -22,6 +24,7 @@ from clusterfit.data.shardreader import ShardTrainSamples, as_is
 from clusterfit.data.shards import PackedIndex, pack_folder, read_index, read_remote_index
 from clusterfit.data.staging import JOURNAL, MANIFEST, Credentials, cache_folder, open_filesystem, stage
 from clusterfit.data.transforms import TrainCrop
+from clusterfit.models import build_model
 
 CONTAINER = "data"
 
@@ -200,6 +203,11 @@ def test_job_trains_on_data_staged_with_a_sas_token_it_never_writes_down(
     azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path
 ) -> None:
     _upload(azurite, tiny_imagefolder, "job")
+    # Starting weights at a URL too, staged like the data and read with the same token.
+    weights = tmp_path / "start" / "model.safetensors"
+    weights.parent.mkdir()
+    save_file(build_model("resnet_tiny", 3).state_dict(), str(weights))
+    _upload(azurite, weights.parent, "start")
     sas = generate_container_sas(
         ACCOUNT,
         CONTAINER,
@@ -219,6 +227,7 @@ def test_job_trains_on_data_staged_with_a_sas_token_it_never_writes_down(
             "loader_workers": 1,
             "cache_dir": str(tmp_path / "cache"),
         },
+        init={"weights": f"az://{CONTAINER}/start/model.safetensors"},
     )
     spec["storage"] = {"endpoint": azurite.endpoint, "sas_token": sas}
     env = _env(azurite)
@@ -227,6 +236,8 @@ def test_job_trains_on_data_staged_with_a_sas_token_it_never_writes_down(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["final"]["val_images"] == 15 and summary["steps"] == 48 // 16
+    started = summary["starting_weights"]
+    assert started["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest() and started["replaced"] == []
     logs = (tmp_path / "out" / "logs" / "rank-0.log").read_text() + (
         tmp_path / "out" / "logs" / "rank-1.log"
     ).read_text()

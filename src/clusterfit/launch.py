@@ -7,6 +7,7 @@ from pathlib import Path
 from clusterfit.backends.local import local_gpu_count
 from clusterfit.backends.mpi import launched_by_mpirun, require_mpirun
 from clusterfit.data.folders import inspect_data, list_score_inputs, steps_per_epoch
+from clusterfit.data.staging import check_remote_file
 from clusterfit.errors import DataError, SpecError
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import published, read_manifest
@@ -33,7 +34,9 @@ def preflight(spec: JobSpec) -> None:
         _check_command_job(spec)
         return
     init = spec.trainer.init
-    if init is not None and not Path(init.weights).is_file():
+    if init is not None and is_url(init.weights):
+        check_remote_file(init.weights, spec.storage, "trainer.init.weights")
+    elif init is not None and not Path(init.weights).is_file():
         raise DataError(
             f"trainer.init.weights = {init.weights!r}: no such file; give an earlier job's model/model.safetensors",
             retryable=False,

@@ -114,7 +114,7 @@ def _stage_locked(
         journal = {rel: entry for rel, entry in old["files"].items() if rel not in bad}
         _rewrite_journal(target / JOURNAL, journal)
     fs, root = open_filesystem(url, creds)
-    listing = _list(fs, root, url, creds)
+    folder, listing = _list(fs, root, url, creds)
     journal = _read_journal(target / JOURNAL)
     todo = []
     for rel, size in sorted(listing.items()):
@@ -123,12 +123,12 @@ def _stage_locked(
             report.resumed_files += 1
             continue
         todo.append((rel, size))
-    expected = _expected_sha256(fs, root, listing, data, creds)
+    expected = _expected_sha256(fs, folder, listing, data, creds)
     lock = threading.Lock()
 
     def copy(item: tuple[str, int]) -> None:
         rel, size = item
-        digest, fresh = _copy_one(fs, f"{root}/{rel}", data / rel, size, url, creds)
+        digest, fresh = _copy_one(fs, f"{folder}/{rel}", data / rel, size, url, creds)
         want = expected.get(rel)
         if want and digest != want:
             (data / rel).with_name((data / rel).name + ".part").unlink(missing_ok=True)
@@ -158,16 +158,22 @@ def _stage_locked(
     report.files, report.bytes = len(files), sum(e["bytes"] for e in files.values())
 
 
-def _list(fs: Any, root: str, url: str, creds: Credentials) -> dict[str, int]:
+def _list(fs: Any, root: str, url: str, creds: Credentials) -> tuple[str, dict[str, int]]:
+    """The remote folder the files are in, and each file's path below it with its size: every file under a
+    folder's URL, or the one file a file's URL names."""
     try:
         found = fs.find(root, detail=True)
+        if not isinstance(found, dict):  # adlfs answers a file's URL with a list of its name, without details
+            found = {name: fs.info(name) for name in found}
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types; all become one line
         raise storage_error(url, exc, creds, kind=StagingError) from None
     listing = {}
+    one_file = list(found) == [root] and found[root].get("type") != "directory"
+    folder = root.rsplit("/", 1)[0] if one_file else root
     for path, info in found.items():
         if info.get("type") == "directory":
             continue
-        rel = path[len(root) :].lstrip("/") if path.startswith(root) else path.rsplit("/", 1)[-1]
+        rel = path[len(folder) :].lstrip("/") if path.startswith(folder) else path.rsplit("/", 1)[-1]
         if not rel or rel.startswith("/") or ".." in rel.split("/"):
             raise StagingError(
                 f"{url}: object {path!r} would land outside the cache folder; refusing to stage it", retryable=False
@@ -177,7 +183,7 @@ def _list(fs: Any, root: str, url: str, creds: Credentials) -> dict[str, int]:
         raise StagingError(
             f"{url}: no files there; check the URL (a folder of <class>/<image> or a packed dataset)", retryable=False
         )
-    return listing
+    return folder, listing
 
 
 def _expected_sha256(fs: Any, root: str, listing: dict[str, int], data: Path, creds: Credentials) -> dict[str, str]:
@@ -282,22 +288,37 @@ def stage_inputs(spec: JobSpec, run_token: str, log: Callable[[str], None] = pri
         )
         log(describe(report))
         return spec.model_copy(update={"scorer": scorer.model_copy(update={"input": str(report.local)})})
-    data = spec.trainer.data
-    if data.mode == "direct":
-        return spec
+    data, init = spec.trainer.data, spec.trainer.init
     creds = credentials(spec.storage)
+    changes: dict[str, Any] = {}
+    if init is not None and is_url(init.weights):  # one file, staged (and verified) like a dataset
+        report = stage(init.weights, data.cache_dir, creds, workers=1, run_token=run_token)
+        log(describe(report))
+        weights = str(report.local / init.weights.rstrip("/").rsplit("/", 1)[-1])
+        changes["init"] = init.model_copy(update={"weights": weights})
     local: dict[str, str] = {}
-    for name in ("train", "val"):
+    for name in ("train", "val") if data.mode == "download" else ():
         url = getattr(data, name)
         if url is None or not is_url(url):
             continue
         report = stage(url, data.cache_dir, creds, workers=data.stage_workers, run_token=run_token)
         log(describe(report))
         local[name] = str(report.local)
-    if not local:
-        return spec
-    new_data = data.model_copy(update=local)
-    return spec.model_copy(update={"trainer": spec.trainer.model_copy(update={"data": new_data})})
+    if local:
+        changes["data"] = data.model_copy(update=local)
+    return spec.model_copy(update={"trainer": spec.trainer.model_copy(update=changes)}) if changes else spec
+
+
+def check_remote_file(url: str, storage: StorageSpec, field_name: str) -> None:
+    """One line before anything runs when `url` is not a file the store will give (missing, refused, down)."""
+    creds = credentials(storage)
+    fs, root = open_filesystem(url, creds)
+    try:
+        info = fs.info(root)
+    except Exception as exc:  # noqa: BLE001 - every backend raises its own types
+        raise storage_error(f"{field_name} = {url!r}", exc, creds, kind=StagingError) from None
+    if info.get("type") != "file":
+        raise StagingError(f"{field_name} = {url!r}: not a file; give the URL of a .safetensors file", retryable=False)
 
 
 def describe(report: StageReport) -> str:

@@ -220,7 +220,8 @@ class EmaSpec(_Strict):
 class InitSpec(_Strict):
     weights: str = Field(
         description="a .safetensors file (e.g. an earlier job's model/model.safetensors) or a torch state dict, "
-        "read weights-only; the classifier head is replaced when the class count differs"
+        "read weights-only, or a URL of one (az://, s3://, file://; staged like data); the classifier head is "
+        "replaced when the class count differs"
     )
     freeze_backbone_epochs: int = Field(0, ge=0, description="train only the classifier head for this many epochs")
 
