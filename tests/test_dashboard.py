@@ -6,6 +6,7 @@ cancel a running job with the button."""
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import tempfile
 import time
@@ -13,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_job
+from conftest import run_cli, tiny_job
 from service_server import ServerProcess, cancel_active_jobs, client, make_token
 from services import find, skip_reason
 from test_session import session_job
+from test_sweep import scaled_sweep
 
 from clusterfit.service.migrate import open_store
 
@@ -33,6 +35,7 @@ LAUNCH_FLAGS = [
 LOSS_COLOUR = (0x1F, 0x6F, 0xD1)  # LINE_COLOURS.loss in dashboard/app.js
 VAL_LOSS_COLOUR = (0x7A, 0x3D, 0xB8)  # LINE_COLOURS.valLoss
 TOP1_COLOUR = (0x15, 0x80, 0x3D)  # LINE_COLOURS.top1
+TRIAL_COLOURS = [(0x1F, 0x6F, 0xD1), (0xE0, 0x52, 0x1B)]  # TRIAL_COLOURS[0:2]: trials 0 and 1 of a sweep
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason=str(skip_reason("chromium")))
 
@@ -169,3 +172,40 @@ def test_dashboard_charts_a_user_script_s_own_metric(
         expect(page.locator("#job-summary")).to_contain_text("; score ")
         page.wait_for_timeout(1500)  # one more poll: the chart is drawn from the same response as the rows
         assert _line_pixels(page.locator("#loss-chart").screenshot(), LOSS_COLOUR) > 200
+
+
+def test_dashboard_shows_a_sweep_with_every_trial_s_curve(
+    browser_page,  # noqa: ANN001
+    tmp_path: Path,
+    postgres_server,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sweep driven by the CLI with a PostgreSQL job store keeps its study in that database, where the server
+    sharing the store finds it: the sweeps list, the trials best first with the pruned one, and one line per
+    trial on the chart."""
+    from playwright.sync_api import expect
+
+    monkeypatch.setenv("CLUSTERFIT_DATABASE_URL", postgres_server.new_database())
+    swept = run_cli("sweep", "run", str(scaled_sweep(tmp_path)), "--poll", "0.2")
+    assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
+    assert not (Path(os.environ["CLUSTERFIT_HOME"]) / "sweeps.db").exists()  # not beside it: in it
+    page = browser_page
+    reader = make_token("read", name="watcher")
+    with ServerProcess() as server, client(server.url, reader) as http:
+        assert http.get("/api/sweeps/nope").status_code == 404
+        page.goto(server.url + "/")
+        page.fill("#token", reader)
+        page.click("#login-form button")
+        page.click("#nav-sweeps")
+        row = page.locator("#sweeps-table tr[data-name='scaled']")
+        expect(row).to_contain_text("score (maximize)")
+        row.click()
+        trials = page.locator("#trials-table tbody tr")
+        expect(trials).to_have_count(2)
+        expect(trials.first).to_contain_text("COMPLETE")  # best first
+        expect(trials.nth(1)).to_contain_text("PRUNED")
+        expect(page.locator("#sweep-summary")).to_contain_text("best: trial 0, 12.0000")
+        page.wait_for_timeout(500)
+        chart = page.locator("#sweep-chart").screenshot()
+        assert _line_pixels(chart, TRIAL_COLOURS[0]) > 200  # the full curve of the winner
+        assert _line_pixels(chart, TRIAL_COLOURS[1]) > 30  # the pruned trial's short one

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -89,9 +90,9 @@ def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imag
     assert len(find_study("lr").trials) == 6
 
 
-def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
-    """A script reports (step + 1) x SCALE: the first trial (SCALE 1) sets the median, the second (sampled below
-    1) is worse at every step and is stopped after its first report past the warm-up."""
+def scaled_sweep(tmp_path: Path) -> Path:
+    """A sweep of 2 trials of a script that reports (step + 1) x SCALE: the first trial (SCALE 1) sets the median,
+    the second (sampled below 1) is worse at every step and is stopped after its first report past the warm-up."""
     code = tmp_path / "code"
     code.mkdir()
     shutil.copy(REPO / "tests" / "scripts" / "sweep_trial.py", code)
@@ -104,7 +105,7 @@ def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
         "resources": {"instance_count": 1, "backend": "local"},
         "outputs": {"dir": str(tmp_path / "unused")},
     }
-    sweep = _write_sweep(
+    return _write_sweep(
         tmp_path,
         job,
         name="scaled",
@@ -116,6 +117,10 @@ def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
         sampler="random",
         early_stopping={"policy": "median", "min_trials": 1, "warmup_reports": 1},
     )
+
+
+def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
+    sweep = scaled_sweep(tmp_path)
     result = run_cli("sweep", "run", str(sweep), "--poll", "0.2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     first, second = find_study("scaled").trials
@@ -179,3 +184,24 @@ def test_the_example_sweep_and_set_overrides_validate_against_its_job(tmp_path: 
     assert sweep.job_overrides[-1] == "trainer.epochs=3"
     trial = load_spec(job_file, sweep.job_overrides)
     assert (trial.trainer.epochs, trial.distribution.process_count_per_instance) == (3, 1)
+
+
+def test_the_last_point_of_a_grid_is_told_without_an_error() -> None:
+    """Optuna's grid sampler stops the study after its last point, which raises outside `study.optimize`; the
+    driver's `tell` stores the trial and goes on (a full-grid sweep ended in a traceback before)."""
+    import optuna
+
+    from clusterfit.sweep.driver import tell
+
+    grid = {"x": [1, 2]}
+
+    def walk(told: Callable[..., object]) -> list[str]:
+        study = optuna.create_study(sampler=optuna.samplers.GridSampler(grid, seed=0))
+        for _ in range(2):
+            trial = study.ask({"x": optuna.distributions.CategoricalDistribution([1, 2])})
+            told(study, trial, float(trial.params["x"]))
+        return [t.state.name for t in study.trials]
+
+    assert walk(tell) == ["COMPLETE", "COMPLETE"]
+    with pytest.raises(RuntimeError, match="Study.stop"):
+        walk(lambda study, trial, value: study.tell(trial, value))

@@ -338,6 +338,18 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
     def metrics(job_id: str, _: Reader) -> list[dict[str, Any]]:
         return jobs.metrics(job_id)
 
+    @app.get("/api/sweeps")
+    def list_sweeps(_: Reader) -> list[dict[str, Any]]:
+        from clusterfit.sweep.driver import sweep_list  # Optuna only when a sweep is asked for
+
+        return sweep_list()
+
+    @app.get("/api/sweeps/{name}")
+    def sweep(name: str, _: Reader) -> dict[str, Any]:
+        from clusterfit.sweep.driver import sweep_view
+
+        return sweep_view(name, jobs)
+
     @app.get("/api/jobs/{job_id}/logs")
     def logs(
         job_id: str,

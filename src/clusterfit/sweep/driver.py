@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from clusterfit.service.jobs import JobService, ServiceError
+from clusterfit.service.jobs import JobService, Refused, ServiceError
 from clusterfit.service.states import JobState
 from clusterfit.spec.model import is_url
 from clusterfit.sweep.spec import VAL_METRICS, Choice, LogUniform, RandInt, SweepSpec, Uniform, override
-from clusterfit.sweep.study import find_study, open_study
+from clusterfit.sweep.study import find_study, open_study, storage_url, sweep_names
 
 if TYPE_CHECKING:
     import optuna
@@ -43,6 +43,17 @@ def distributions(sweep: SweepSpec) -> dict[str, optuna.distributions.BaseDistri
         elif isinstance(dist, RandInt):
             made[field] = IntDistribution(*dist.randint)
     return made
+
+
+def tell(study: optuna.Study, trial: optuna.Trial | int, value: float | None = None, **kwargs: Any) -> None:
+    """`study.tell`, but the end of a grid is no error: once every grid point was tried, Optuna's grid sampler
+    calls `study.stop()`, which raises outside `study.optimize` (this driver asks and tells instead). The trial
+    is stored before that (Optuna's `finally`), and `trial_budget` already ends the sweep there."""
+    try:
+        study.tell(trial, value, **kwargs)
+    except RuntimeError as exc:
+        if "Study.stop" not in str(exc):
+            raise
 
 
 def trial_budget(sweep: SweepSpec) -> int:
@@ -114,7 +125,7 @@ class SweepDriver:
             job_id = self.jobs.submit(self.job_file, overrides)["id"]
         except ServiceError as exc:  # a sampled value the job refuses: that trial fails, the sweep goes on
             trial.set_user_attr(WHY, str(exc))
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            tell(study, trial, state=optuna.trial.TrialState.FAIL)
             self.say(f"trial {trial.number} {trial.params}: refused: {exc}")
             return False
         trial.set_user_attr(JOB_ID, job_id)
@@ -146,7 +157,7 @@ class SweepDriver:
         if not state.is_terminal and values and trial.should_prune():
             with contextlib.suppress(ServiceError):  # it may have ended meanwhile
                 self.jobs.cancel(job_id)
-            study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            tell(study, trial, state=optuna.trial.TrialState.PRUNED)
             self.say(
                 f"trial {trial.number}: pruned at step {values[-1][0]} ({values[-1][1]:.4g}); job {job_id} cancelled"
             )
@@ -154,11 +165,11 @@ class SweepDriver:
         if not state.is_terminal:
             return False
         if state is JobState.SUCCEEDED and values:
-            study.tell(trial, values[-1][1])
+            tell(study, trial, values[-1][1])
             self.say(f"trial {trial.number}: {self.sweep.objective.metric} {values[-1][1]:.4g}")
         else:
             trial.set_user_attr(WHY, f"job {job_id} ended {state.value}")
-            study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            tell(study, trial, state=optuna.trial.TrialState.FAIL)
             self.say(f"trial {trial.number}: job {job_id} ended {state.value}")
         return True
 
@@ -204,6 +215,50 @@ def sweep_rows(name: str, jobs: JobService) -> tuple[list[dict[str, Any]], str]:
     return rows, study.direction.name.lower()
 
 
+def sweep_list() -> list[dict[str, Any]]:
+    """Every sweep of this service home, for the dashboard: its objective, trial counts and best value. Empty
+    where the sweep extra is not installed (a server need not have it)."""
+    try:
+        import optuna
+    except ImportError:
+        return []
+    listed = []
+    for summary in optuna.get_all_study_summaries(storage=storage_url(), include_best_trial=True):
+        states = [t.state.name for t in find_study(summary.study_name).trials]
+        listed.append(
+            {
+                "name": summary.study_name,
+                "metric": summary.user_attrs.get(METRIC),
+                "direction": summary.direction.name.lower(),
+                "trials": len(states),
+                "complete": states.count("COMPLETE"),
+                "pruned": states.count("PRUNED"),
+                "running": states.count("RUNNING"),
+                "best_value": summary.best_trial.value if summary.best_trial else None,
+            }
+        )
+    return listed
+
+
+def sweep_view(name: str, jobs: JobService) -> dict[str, Any]:
+    """One sweep for the dashboard: the status table's rows (best first) and every trial's curve."""
+    try:
+        known = sweep_names()
+    except ImportError:  # no sweep extra here: no sweeps either
+        known = []
+    if name not in known:
+        raise Refused(f"no sweep named {name!r} here; known: {', '.join(known) or 'none'}", 404)
+    rows, direction = sweep_rows(name, jobs)
+    metric, curves = sweep_curves(name)
+    return {
+        "name": name,
+        "metric": metric,
+        "direction": direction,
+        "rows": rows,
+        "curves": {number: sorted(values.items()) for number, (_, values) in curves.items()},
+    }
+
+
 def cancel_sweep(name: str, jobs: JobService) -> list[str]:
     """Stop every trial's job and the driver (which checks the study's flag); returns the cancelled job ids."""
     import optuna
@@ -219,7 +274,7 @@ def cancel_sweep(name: str, jobs: JobService) -> list[str]:
             jobs.cancel(job_id)
             cancelled.append(job_id)
         with contextlib.suppress(RuntimeError, ValueError):  # the driver may have recorded it first
-            study.tell(frozen.number, state=optuna.trial.TrialState.FAIL)
+            tell(study, frozen.number, state=optuna.trial.TrialState.FAIL)
     return cancelled
 
 

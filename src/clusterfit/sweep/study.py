@@ -1,14 +1,19 @@
-"""Where sweeps keep their Optuna studies: `sweeps.db` in the service home, beside the job store.
+"""Where sweeps keep their Optuna studies: in the job store's own PostgreSQL database, in a schema of their
+own, so every machine (and the server's dashboard) that shares the store sees them; beside a SQLite job store,
+in `sweeps.db` in the service home.
 
-NOTE: not in the job store's own database: Optuna migrates its schema with Alembic under the default version
-table, which would collide with the job store's migrations."""
+NOTE: never in the job store's own tables' schema: Optuna migrates its tables with Alembic under the default
+version table, which the job store's migrations use too."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine.url import make_url
+
 from clusterfit.errors import SpecError
-from clusterfit.service.home import service_home
+from clusterfit.service.home import database_url, service_home
 
 if TYPE_CHECKING:
     import optuna
@@ -24,8 +29,22 @@ def require_optuna() -> None:
         raise SpecError("clusterfit sweep needs Optuna: pip install 'clusterfit[sweep]'") from None
 
 
+SWEEPS_SCHEMA = "clusterfit_sweeps"
+
+
 def storage_url() -> str:
-    return f"sqlite:///{service_home() / 'sweeps.db'}"
+    """Optuna's storage URL (with the store's password: for the process's own connection, never shown)."""
+    store = make_url(database_url())
+    if store.get_backend_name() != "postgresql":
+        return f"sqlite:///{service_home() / 'sweeps.db'}"
+    engine = create_engine(store)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(f"CREATE SCHEMA IF NOT EXISTS {SWEEPS_SCHEMA}"))
+    finally:
+        engine.dispose()
+    in_schema = store.update_query_dict({"options": f"-csearch_path={SWEEPS_SCHEMA}"})
+    return in_schema.render_as_string(hide_password=False)
 
 
 def _sampler(sweep: SweepSpec, seed: int) -> optuna.samplers.BaseSampler:

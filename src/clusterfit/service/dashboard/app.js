@@ -3,7 +3,9 @@
 "use strict";
 
 const TOKEN_KEY = "clusterfit-token";
-const POLL_MS = { jobs: 1500, job: 1000 };
+const POLL_MS = { jobs: 1500, job: 1000, sweeps: 3000, sweep: 2000 };
+// One colour per trial, in trial order (a sweep's chart); the first is LINE_COLOURS.loss.
+const TRIAL_COLOURS = ["#1f6fd1", "#e0521b", "#15803d", "#7a3db8", "#b8860b", "#0e7490", "#be185d", "#4b5563"];
 const LINE_COLOURS = { loss: "#1f6fd1", rate: "#e0521b", valLoss: "#7a3db8", top1: "#15803d", top5: "#a3a3a3" };
 let timer = null;
 let logCursor = null;
@@ -24,7 +26,7 @@ async function api(path, options = {}) {
 }
 
 function show(section) {
-  for (const id of ["login", "jobs", "job"]) $(id).hidden = id !== section;
+  for (const id of ["login", "jobs", "job", "sweeps", "sweep"]) $(id).hidden = id !== section;
   $("logout").hidden = section === "login";
 }
 
@@ -197,6 +199,54 @@ async function renderJob(id) {
   }
 }
 
+async function renderSweeps() {
+  const sweeps = await api("/api/sweeps");
+  const body = $("sweeps-table").tBodies[0];
+  body.replaceChildren();
+  for (const sweep of sweeps) {
+    const row = body.insertRow();
+    row.className = "sweep";
+    row.dataset.name = sweep.name;
+    row.onclick = () => (location.hash = `#/sweeps/${encodeURIComponent(sweep.name)}`);
+    cell(row, sweep.name);
+    cell(row, `${sweep.metric} (${sweep.direction})`);
+    for (const value of [sweep.trials, sweep.complete, sweep.pruned, sweep.running]) cell(row, value);
+    cell(row, fixed(sweep.best_value, 4));
+  }
+  $("sweeps-empty").hidden = sweeps.length > 0;
+}
+
+async function renderSweep(name) {
+  const sweep = await api(`/api/sweeps/${encodeURIComponent(name)}`);
+  $("sweep-name").textContent = sweep.name;
+  const best = sweep.rows.find((row) => row.state === "COMPLETE");
+  $("sweep-summary").textContent =
+    `${sweep.rows.length} trial(s), objective ${sweep.metric} (${sweep.direction})` +
+    (best ? `; best: trial ${best.trial}, ${fixed(best.value, 4)}, outputs ${best.outputs}` : "");
+  const numbers = Object.keys(sweep.curves).map(Number).sort((a, b) => a - b);
+  drawChart(
+    $("sweep-chart"),
+    numbers.map((n) => ({ points: sweep.curves[n], colour: TRIAL_COLOURS[n % TRIAL_COLOURS.length] })),
+  );
+  $("sweep-caption").textContent =
+    `${sweep.metric} per step, one line per trial (a pruned trial's ends where it was stopped): ` +
+    numbers.map((n) => `trial ${n} ${TRIAL_COLOURS[n % TRIAL_COLOURS.length]}`).join(", ");
+  const body = $("trials-table").tBodies[0];
+  body.replaceChildren();
+  for (const row of sweep.rows) {
+    const tr = body.insertRow();
+    tr.className = "trial";
+    cell(tr, row.trial).style.color = TRIAL_COLOURS[row.trial % TRIAL_COLOURS.length];
+    cell(tr, Object.entries(row.params).map(([key, value]) => `${key}=${value}`).join(", "));
+    cell(tr, row.state, `state ${row.state}`);
+    cell(tr, fixed(row.value, 4));
+    cell(tr, row.reports);
+    cell(tr, fixed(row.wall_s, 1));
+    const job = cell(tr, row.job ? `${row.job} (${row.job_state || "?"})` : null);
+    if (row.job) job.onclick = () => (location.hash = `#/jobs/${row.job}`);
+  }
+}
+
 async function cancelJob(id) {
   if (!confirm(`Cancel job ${id}? Every process of it is stopped.`)) return;
   try {
@@ -210,10 +260,15 @@ async function route() {
   clearTimeout(timer);
   $("error").textContent = "";
   if (!localStorage.getItem(TOKEN_KEY)) return show("login");
-  const match = location.hash.match(/^#\/jobs\/([0-9a-f]+)$/);
-  const [section, render, every] = match
-    ? ["job", () => renderJob(match[1]), POLL_MS.job]
-    : ["jobs", renderJobs, POLL_MS.jobs];
+  const job = location.hash.match(/^#\/jobs\/([0-9a-f]+)$/);
+  const sweep = location.hash.match(/^#\/sweeps\/(.+)$/);
+  const [section, render, every] = job
+    ? ["job", () => renderJob(job[1]), POLL_MS.job]
+    : sweep
+      ? ["sweep", () => renderSweep(decodeURIComponent(sweep[1])), POLL_MS.sweep]
+      : location.hash === "#/sweeps"
+        ? ["sweeps", renderSweeps, POLL_MS.sweeps]
+        : ["jobs", renderJobs, POLL_MS.jobs];
   show(section);
   const tick = async () => {
     try {
