@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -205,3 +206,35 @@ def test_the_last_point_of_a_grid_is_told_without_an_error() -> None:
     assert walk(tell) == ["COMPLETE", "COMPLETE"]
     with pytest.raises(RuntimeError, match="Study.stop"):
         walk(lambda study, trial, value: study.tell(trial, value))
+
+
+def test_a_sweep_through_a_server_waits_out_the_server_s_restart(tmp_path: Path) -> None:
+    """The driver talks to a server (--server); the server is stopped after the first trial is submitted and
+    started again on the same port: the driver says so, waits, and the sweep ends as it would have."""
+    from service_server import ServerProcess, make_token
+
+    sweep = scaled_sweep(tmp_path)
+    admin = make_token("admin")  # the trials are command jobs
+    server = ServerProcess().start()
+    port = server.url.rstrip("/").rsplit(":", 1)[1]
+    driver = subprocess.Popen(
+        cli_command("sweep", "run", str(sweep), "--poll", "0.2", "--server", server.url, "--token", admin),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        wait_for(lambda: open_store().list_jobs(), 60, "the first trial's job")
+        server.stop()
+        time.sleep(1)  # a few of the driver's looks find nobody there
+        restarted = ServerProcess("--port", port).start()
+        try:
+            said, _ = driver.communicate(timeout=180)
+        finally:
+            restarted.stop()
+    finally:
+        driver.kill()
+    assert driver.returncode == 0, said[-3000:]
+    assert "cannot reach the clusterfit server" in said and "trying again every 0.2 s" in said, said[-3000:]
+    assert "the job service answers again" in said
+    assert [t.state.name for t in find_study("scaled").trials] == ["COMPLETE", "PRUNED"]

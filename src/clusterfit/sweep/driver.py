@@ -98,21 +98,38 @@ class SweepDriver:
         if live:
             self.say(f"sweep {self.sweep.name}: resuming with {len(live)} trial(s) running")
         budget = trial_budget(self.sweep)
+        unanswered = False
         while True:
             if study.user_attrs.get(CANCELLED):
                 self.say(f"sweep {self.sweep.name} was cancelled")
                 break
-            for number in list(live):
-                if self._poll(study, live[number]):
-                    del live[number]
-            while len(live) < self.sweep.max_concurrent and len(study.trials) < budget:
-                trial = study.ask(distributions(self.sweep))
-                if self._submit(study, trial):
-                    live[trial.number] = trial
-            if not live:
-                break
+            try:
+                self._step(study, live, budget)
+            except Refused:
+                raise
+            except ServiceError as exc:  # the job service is down or restarting: the jobs and the study wait
+                if not unanswered:
+                    self.say(f"sweep {self.sweep.name}: {exc}; trying again every {self.poll_s:g} s")
+                unanswered = True
+            else:
+                if unanswered:
+                    self.say(f"sweep {self.sweep.name}: the job service answers again")
+                unanswered = False
+                if not live:
+                    break
             time.sleep(self.poll_s)
         return study
+
+    def _step(self, study: optuna.Study, live: dict[int, optuna.Trial], budget: int) -> None:
+        """One look: the running trials polled, new ones submitted up to the concurrency limit and the budget."""
+        for number in list(live):
+            if self._poll(study, live[number]):
+                del live[number]
+        while len(live) < self.sweep.max_concurrent and len(study.trials) < budget:
+            trial = study.ask(distributions(self.sweep))
+            live[trial.number] = trial  # before submitting: if the service does not answer, the next look retries
+            if not self._submit(study, trial):
+                del live[trial.number]
 
     def _submit(self, study: optuna.Study, trial: optuna.Trial) -> bool:
         import optuna
@@ -123,7 +140,7 @@ class SweepDriver:
         trial.set_user_attr(OUTPUTS, str(outputs))
         try:
             job_id = self.jobs.submit(self.job_file, overrides)["id"]
-        except ServiceError as exc:  # a sampled value the job refuses: that trial fails, the sweep goes on
+        except Refused as exc:  # a sampled value the job refuses: that trial fails, the sweep goes on
             trial.set_user_attr(WHY, str(exc))
             tell(study, trial, state=optuna.trial.TrialState.FAIL)
             self.say(f"trial {trial.number} {trial.params}: refused: {exc}")
