@@ -398,3 +398,6 @@ def test_a_submitted_jobs_relative_paths_are_anchored_where_it_was_submitted(tmp
     assert spec.trainer.init.weights == str(tmp_path / "old/model/model.safetensors")
     synthetic = anchored(validate_spec(tiny_job(tmp_path / "out")), tmp_path)
     assert synthetic.trainer.data.train == "synthetic" and synthetic.outputs.dir == str(tmp_path / "out")
+    raw["resources"] = {"backend": "kubernetes", "instance_count": 2}
+    in_pods = validate_spec(raw)
+    assert anchored(in_pods, tmp_path) == in_pods  # places inside the pods, relative to the image's folder

@@ -685,7 +685,10 @@ class JobSpec(_Strict):
 def anchored(spec: JobSpec, base: Path) -> JobSpec:
     """The spec with its relative local paths (data folders, starting weights, a command job's code, a scorer's
     model and input, outputs.dir) made absolute from `base`: a submitted job runs in its own outputs folder, so
-    a path relative to where it was submitted would lead nowhere."""
+    a path relative to where it was submitted would lead nowhere. A Kubernetes job's paths are places inside its
+    pods (relative to the image's working folder) and stay as written."""
+    if spec.resources.backend == "kubernetes":
+        return spec
 
     def absolute(path: str | None) -> str | None:
         if path is None or path == SYNTHETIC or is_url(path) or path.startswith("~") or Path(path).is_absolute():

@@ -240,8 +240,9 @@ def sweep_list() -> list[dict[str, Any]]:
     except ImportError:
         return []
     listed = []
-    for summary in optuna.get_all_study_summaries(storage=storage_url(), include_best_trial=True):
-        states = [t.state.name for t in find_study(summary.study_name).trials]
+    storage = optuna.storages.RDBStorage(storage_url())  # one connection pool for every study of the page
+    for summary in optuna.get_all_study_summaries(storage=storage, include_best_trial=True):
+        states = [t.state.name for t in optuna.load_study(study_name=summary.study_name, storage=storage).trials]
         listed.append(
             {
                 "name": summary.study_name,
