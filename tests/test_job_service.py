@@ -169,3 +169,25 @@ def test_cancel_through_either_ends_the_job_cancelled(both: tuple[LocalJobs, Ser
         with pytest.raises(Refused, match="no job 'ffffffff'") as unknown:
             service.status("ffffffff")
         assert unknown.value.status == 404
+
+
+def test_relative_paths_are_anchored_here_and_refused_over_http(
+    both: tuple[LocalJobs, ServiceClient], tmp_path: Path, tiny_imagefolder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This machine's store reads a relative path from the current folder, as `clusterfit run` does; a server
+    cannot know the client's folder, so it refuses the path in one line instead of a job that fails in its workers."""
+    local, remote = both
+    monkeypatch.chdir(tmp_path)
+    assert tiny_imagefolder == tmp_path / "data"
+    job = tiny_job(tmp_path / "out", data={"train": "data/train", "num_classes": None})
+    spec = write_job(tmp_path / "job.yaml", job)
+    with pytest.raises(Refused) as refused:
+        remote.submit(spec)
+    assert refused.value.status == 422
+    assert str(refused.value) == (
+        f"server refused (422): {spec}: trainer.data.train = 'data/train' is relative to the folder it was sent from, which this server "
+        "cannot know; give an absolute path on the server's machine, or a URL"
+    )
+    assert not open_store().list_jobs()
+    queued = local.details(local.submit(spec)["id"])["spec"]
+    assert queued["trainer"]["data"]["train"] == str(tmp_path / "data" / "train")

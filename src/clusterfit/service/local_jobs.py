@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clusterfit.errors import ClusterfitError
+from clusterfit.errors import ClusterfitError, SpecError
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.jobs import Refused, ServiceError
 from clusterfit.service.logview import read_logs
@@ -20,7 +20,7 @@ from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import Job, JobNotFound, JobStore, StateConflict
 from clusterfit.service.views import job_details, job_row, job_status, metrics_series
 from clusterfit.spec import JobSpec, load_spec, load_spec_text
-from clusterfit.spec.model import anchored
+from clusterfit.spec.model import anchored, submission_relative_paths
 from clusterfit.storage.filesystems import credentials
 from clusterfit.storage.outputs_mirror import OutputsMirror
 
@@ -30,12 +30,14 @@ def local_user() -> str:
     return os.environ.get("USER") or os.environ.get("LOGNAME") or str(os.getuid())
 
 
-def checked_spec(load: Callable[[], JobSpec]) -> JobSpec:
-    """The spec `load` reads (from a file or from text), validated and preflighted here: its data is there and
-    its outputs folder fits. Any problem, reading included, is one line: a refusal, or, when the data's store
-    did not answer, an error that submitting again later may not meet (503, exit code 1)."""
+def checked_spec(load: Callable[[], JobSpec], placed: Callable[[JobSpec], JobSpec] | None = None) -> JobSpec:
+    """The spec `load` reads (from a file or from text), its relative paths settled by `placed` if given (a job
+    run in the foreground reads them from the current folder as they are), validated and
+    preflighted here: its data is there and its outputs folder fits. Any problem, reading included, is one line:
+    a refusal, or, when the data's store did not answer, an error that submitting again later may not meet (503,
+    exit code 1)."""
     try:
-        spec = load()
+        spec = load() if placed is None else placed(load())
         from clusterfit.launch import preflight  # the data checks: imported only once the spec itself is valid
 
         preflight(spec)
@@ -46,6 +48,22 @@ def checked_spec(load: Callable[[], JobSpec]) -> JobSpec:
     return spec
 
 
+def without_relative_paths(source: str) -> Callable[[JobSpec], JobSpec]:
+    """For a spec a client sent: its relative paths refused, since the client's folder is not this machine's."""
+
+    def refuse(spec: JobSpec) -> JobSpec:
+        relative = submission_relative_paths(spec)
+        if relative:
+            field, path = next(iter(relative.items()))
+            raise SpecError(
+                f"{source}: {field} = {path!r} is relative to the folder it was sent from, which this server cannot "
+                "know; give an absolute path on the server's machine, or a URL"
+            )
+        return spec
+
+    return refuse
+
+
 @dataclass(frozen=True)
 class LocalJobs:
     store: JobStore
@@ -54,15 +72,15 @@ class LocalJobs:
     def submit(self, spec_file: Path, overrides: list[str] | None = None) -> dict[str, Any]:
         """A job file of this machine, queued for the user running the command; its relative paths are read
         from the current folder, as `clusterfit run` reads them."""
-        spec = checked_spec(lambda: load_spec(spec_file, overrides))
-        return self.enqueue(anchored(spec, Path.cwd()), owner=local_user())
+        spec = checked_spec(lambda: load_spec(spec_file, overrides), lambda spec: anchored(spec, Path.cwd()))
+        return self.enqueue(spec, owner=local_user())
 
     def submit_text(
         self, text: str, overrides: list[str], source: str, owner: str, *, commands: bool = True
     ) -> dict[str, Any]:
         """A job file's text as a client sent it (its paths are this machine's), queued for `owner`;
         `commands`: whether this submitter may run a command job (its own program) here."""
-        spec = checked_spec(lambda: load_spec_text(text, overrides, source=source))
+        spec = checked_spec(lambda: load_spec_text(text, overrides, source=source), without_relative_paths(source))
         if spec.command is not None and not commands:
             raise Refused(
                 f"{source}: command: jobs need an admin token on this server, or the server started with "

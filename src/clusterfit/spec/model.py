@@ -685,33 +685,38 @@ class JobSpec(_Strict):
 def anchored(spec: JobSpec, base: Path) -> JobSpec:
     """The spec with its relative local paths (data folders, starting weights, a command job's code, a scorer's
     model and input, outputs.dir) made absolute from `base`: a submitted job runs in its own outputs folder, so
-    a path relative to where it was submitted would lead nowhere. A Kubernetes job's paths are places inside its
-    pods (relative to the image's working folder) and stay as written."""
+    a path relative to where it was submitted would lead nowhere."""
+    for field, path in submission_relative_paths(spec).items():
+        spec = _replaced(spec, field, str(base / path))
+    return spec
+
+
+def submission_relative_paths(spec: JobSpec) -> dict[str, str]:
+    """The spec's local paths that are relative to the folder it was submitted from, by field name. A Kubernetes
+    job's paths are places inside its pods (relative to the image's working folder), so it has none."""
     if spec.resources.backend == "kubernetes":
-        return spec
-
-    def absolute(path: str | None) -> str | None:
-        if path is None or path == SYNTHETIC or is_url(path) or path.startswith("~") or Path(path).is_absolute():
-            return path
-        return str(base / path)
-
-    changes: dict[str, Any] = {
-        "outputs": spec.outputs.model_copy(update={"dir": absolute(spec.outputs.dir)}),
-        "code": absolute(spec.code),
-    }
+        return {}
+    fields: dict[str, str | None] = {"outputs.dir": spec.outputs.dir, "code": spec.code}
     if spec.trainer is not None:
-        data = spec.trainer.data.model_copy(
-            update={"train": absolute(spec.trainer.data.train), "val": absolute(spec.trainer.data.val)}
-        )
         init = spec.trainer.init
-        changes["trainer"] = spec.trainer.model_copy(
-            update={"data": data, "init": init and init.model_copy(update={"weights": absolute(init.weights)})}
-        )
+        fields |= {
+            "trainer.data.train": spec.trainer.data.train,
+            "trainer.data.val": spec.trainer.data.val,
+            "trainer.init.weights": init and init.weights,
+        }
     if spec.scorer is not None:
-        changes["scorer"] = spec.scorer.model_copy(
-            update={"model_dir": absolute(spec.scorer.model_dir), "input": absolute(spec.scorer.input)}
-        )
-    return spec.model_copy(update=changes)
+        fields |= {"scorer.model_dir": spec.scorer.model_dir, "scorer.input": spec.scorer.input}
+    return {
+        field: path
+        for field, path in fields.items()
+        if path and path != SYNTHETIC and not is_url(path) and not path.startswith("~") and not Path(path).is_absolute()
+    }
+
+
+def _replaced(model: BaseModel, field: str, value: str) -> Any:
+    """`model` with the dotted `field` set to `value`, every model on the way copied."""
+    name, _, rest = field.partition(".")
+    return model.model_copy(update={name: _replaced(getattr(model, name), rest, value) if rest else value})
 
 
 _FIXED_WORLD = {"mpi": "mpirun starts them all at once", "tensorflow": "TF_CONFIG lists every worker"}
