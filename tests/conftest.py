@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
-from safetensors.torch import load_file
+
+# NOTE: the suite runs three tests at a time on two cores, each with its own processes, so cores are always
+# oversubscribed. OpenMP threads that spin between parallel regions (libgomp's default) then burn the CPU that
+# other processes need: building and stepping six torchvision models took 13.3 s of CPU with two threads
+# spinning and 4.6 s with them sleeping, the same as one thread. Set before anything loads libgomp (torch), and
+# inherited by every process a test starts (jobs, servers, Ray and Slurm daemons).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from safetensors.torch import load_file  # noqa: E402 - loads torch, so after the OpenMP setting
 
 if TYPE_CHECKING:
     from raycluster import RayCluster

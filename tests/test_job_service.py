@@ -185,8 +185,8 @@ def test_relative_paths_are_anchored_here_and_refused_over_http(
         remote.submit(spec)
     assert refused.value.status == 422
     assert str(refused.value) == (
-        f"server refused (422): {spec}: trainer.data.train = 'data/train' is relative to the folder it was sent from, which this server "
-        "cannot know; give an absolute path on the server's machine, or a URL"
+        f"server refused (422): {spec}: trainer.data.train = 'data/train' is relative to the folder it was sent "
+        "from, which this server cannot know; give an absolute path on the server's machine, or a URL"
     )
     assert not open_store().list_jobs()
     queued = local.details(local.submit(spec)["id"])["spec"]

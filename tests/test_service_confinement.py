@@ -108,6 +108,7 @@ def test_a_job_sees_none_of_the_servers_variables(served: Served, reachable: Pat
     seen = dict(line.split("=", 1) for line in _rank_log(out).splitlines() if "=" in line and line[:1].isupper())
     assert seen["FROM_SPEC"] == "yes" and seen["RANK"] == "0" and seen["WORLD_SIZE"] == "1"
     assert seen["HOME"] == str(out)
+    assert seen["OMP_WAIT_POLICY"] == os.environ["OMP_WAIT_POLICY"] == "PASSIVE", "the operator's tuning is kept"
     for name in ("CLUSTERFIT_HOME", "CLUSTERFIT_DATABASE_URL", *_SERVER_ONLY):
         assert name not in seen, f"{name} reached the job"
     assert str(served.home) not in _rank_log(out)

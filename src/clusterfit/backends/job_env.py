@@ -15,8 +15,10 @@ from pathlib import Path
 # NOTE: PYTHONPATH is the operator's, not the job's (a spec cannot set it): the workers must import the
 # same clusterfit as the server that started them. CUDA_VISIBLE_DEVICES is the operator's choice of GPUs.
 # TMPDIR stays the machine's: sockets live there (DataLoader workers, torch's shared memory manager), and a
-# path under a deep outputs folder is longer than a Unix socket path may be (108 bytes).
-_KEPT = ("PATH", "LANG", "TZ", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES")
+# path under a deep outputs folder is longer than a Unix socket path may be (108 bytes). OMP_WAIT_POLICY is the
+# operator's tuning of a shared machine: PASSIVE OpenMP threads sleep between parallel regions instead of
+# spinning, which on oversubscribed cores took several times the CPU of the work itself.
+_KEPT = ("PATH", "LANG", "TZ", "TMPDIR", "PYTHONPATH", "CUDA_VISIBLE_DEVICES", "OMP_WAIT_POLICY")
 _DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
