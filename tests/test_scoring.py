@@ -1,9 +1,11 @@
 """`clusterfit score`: an exported model scores a folder of real JPEGs on 2 ranks (gloo on loopback, launched by
 torchrun's agent like a training job), each image once, a corrupt one counted; killed and rerun, it finishes the
-same output without scoring anything twice; and its top-1 is what the model gives on the same images directly."""
+same output without scoring anything twice; its top-1 is what the model gives on the same images directly; and a
+packed dataset is read sample by sample as its folder would be."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -210,6 +212,49 @@ def test_killed_run_finishes_on_rerun_without_scoring_anything_twice(
     direct_classes, direct_probabilities = _direct_top_k(model, images, files)
     assert classes == direct_classes
     assert torch.allclose(probabilities, direct_probabilities.double(), atol=1e-5)
+
+
+def test_a_packed_dataset_is_read_sample_by_sample_in_shard_order(
+    scoring_case: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`clusterfit data pack` output as a scoring input: every sample listed once, in shard order, named
+    SHARD:KEY.jpg with its class, and the scorer's batches, several spanning two shards, hold each sample's own
+    pixels (small JPEGs are packed byte for byte, so each sample is one of the folder's files)."""
+    from torch.utils.data import DataLoader
+
+    from clusterfit.data.folders import list_score_inputs
+    from clusterfit.data.imagefolder import collate_labeled, val_transform
+    from clusterfit.data.shards import pack_folder, read_index, sample_name
+    from clusterfit.scoring.batch import _images
+
+    _, images = scoring_case
+    packed = tmp_path / "packed"
+    report = pack_folder(str(images), str(packed), shard_size=16_000, workers=1)
+    assert [reason for _, reason in report.skipped] == ["corrupt or truncated"]
+    index = read_index(packed)
+    originals = {path.read_bytes(): path for path in images.rglob("*.jpg")}
+    source_of = {
+        sample_name(shard.name, key): originals[data]
+        for shard in index.shards
+        for key, data, _ in index.iter_samples(shard)
+    }
+    inputs = list_score_inputs(str(packed), "scorer.input")
+    assert inputs.files == list(source_of) and len(inputs.files) == GOOD
+    assert inputs.labels == [source_of[file].parent.name for file in inputs.files]
+
+    batch = 4
+    shard_ends = list(itertools.accumulate(shard.samples for shard in index.shards))[:-1]
+    assert any(end % batch for end in shard_ends), "no batch spans two shards"
+    transform = val_transform(IMAGE_SIZE)
+    dataset = _images(str(packed), inputs.files, transform)
+    batches = [list(range(start, min(start + batch, GOOD))) for start in range(0, GOOD, batch)]
+    seen = []
+    for pixels, positions, _, bad in DataLoader(dataset, batch_sampler=batches, collate_fn=collate_labeled):
+        assert not bad
+        for image, position in zip(pixels, positions.tolist(), strict=True):
+            assert torch.equal(image, transform(str(source_of[inputs.files[position]])))
+            seen.append(position)
+    assert seen == list(range(GOOD))
 
 
 def test_user_mistakes_are_one_line_with_the_value_and_the_fix(scoring_case: tuple[Path, Path], tmp_path: Path) -> None:

@@ -1,24 +1,29 @@
-"""`clusterfit serve` for real: an endpoint process on loopback, concurrent clients, dynamic batching, and every
-bad request answered 4xx in one line while the server stays up."""
+"""`clusterfit serve` for real: an endpoint process on loopback, concurrent clients, dynamic batching, every
+bad request answered 4xx in one line while the server stays up, and SIGTERM draining what is in flight."""
 
 from __future__ import annotations
 
 import base64
+import http.client
 import io
+import json
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from conftest import cli_command, exported_test_model, run_cli
+from conftest import cli_command, exported_test_model, run_cli, wait_for
 from PIL import Image
 
 from clusterfit.data.imagefolder import val_transform
@@ -190,3 +195,56 @@ def test_onnx_runtime_answers_as_torch_does(model_dir: Path, tmp_path: Path) -> 
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def _refuses_connections(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_sigterm_answers_the_requests_in_flight_and_exits_0(model_dir: Path) -> None:
+    """SIGTERM while one upload is half sent and three requests wait in the batch window: the listener closes at
+    once, every request already received is answered with the model's classes, and the process exits 0."""
+    images = [_jpeg(300 + n, (48, 44)) for n in range(4)]
+    expected = load_classifier(model_dir).predict(torch.stack([val_transform(32)(image) for image in images]))
+    # A long batch window: while the upload is unfinished, the batch of the other three waits for its image.
+    process, url = _start(str(model_dir), "--no-auth", "--runtime", "torch", "--max-wait-ms", "1000")
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    assert host and port
+
+    def ask(image: bytes) -> tuple[int, str]:
+        response = httpx.post(f"{url}/predict", content=image, headers={"Content-Type": "image/jpeg"}, timeout=30)
+        return response.status_code, response.text
+
+    upload = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        upload.putrequest("POST", "/predict")
+        upload.putheader("Content-Type", "image/jpeg")
+        upload.putheader("Content-Length", str(len(images[0])))
+        upload.endheaders(images[0][:-1])  # all but the last byte
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            queued = [pool.submit(ask, image) for image in images[1:]]
+            # Once /stats counts their bodies, the server has also read the upload's headers, sent before them.
+            wait_for(lambda: httpx.get(f"{url}/stats").json()["requests"] == 3, 30, "3 requests", interval=0.02)
+            process.send_signal(signal.SIGTERM)
+            stopping = time.monotonic()
+            wait_for(lambda: _refuses_connections(host, port), 10, "the listener to close", interval=0.02)
+            time.sleep(0.5)  # a slow client: uvicorn by itself gives connections 0.1 s, the drain must wait for it
+            upload.send(images[0][-1:])
+            response = upload.getresponse()
+            answers = [(response.status, response.read().decode()), *(future.result() for future in queued)]
+        assert process.wait(timeout=30) == 0
+        assert time.monotonic() - stopping < 15, "the drain waited for something that was not in flight"
+    finally:
+        upload.close()
+        process.kill()
+        output = process.communicate()[0]
+    assert "clusterfit serve stopped" in output, output
+    for (status, body), probabilities in zip(answers, expected, strict=True):
+        assert status == 200, body
+        answer = json.loads(body)
+        assert answer["top_k"][0]["class"] == CLASSES[int(probabilities.argmax())]
+        assert answer["top_k"][0]["probability"] == pytest.approx(float(probabilities.max()), abs=1e-5)

@@ -611,7 +611,10 @@ def serve_stop() -> None:
 def score(
     model_dir: Annotated[Path, typer.Argument(metavar="MODEL_DIR", help="An exported model folder (a job's model/).")],
     input_path: Annotated[
-        str, typer.Argument(metavar="INPUT", help="Images: a folder of class folders, a flat folder, or a URL.")
+        str,
+        typer.Argument(
+            metavar="INPUT", help="Images: a folder of class folders, a flat folder, a packed dataset, or a URL."
+        ),
     ],
     out: Annotated[Path, typer.Option("--out", help="The job's outputs folder (predictions.parquet, summary.json).")],
     nproc: Annotated[int, typer.Option("--nproc", help="Ranks on this machine; each image is scored by one.")] = 1,

@@ -19,7 +19,7 @@ import os
 import platform
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,15 +118,15 @@ def sample_photos() -> list[np.ndarray]:
     return list(load_sample_images().images)
 
 
-def make_photos(root: Path, count: int, seed: int = 0) -> Path:
+def make_photos(root: Path, count: int, seed: int = 0, sizes: Sequence[tuple[int, int]] = PHOTO_SIZES) -> Path:
     """An ImageNet-layout folder of `count` JPEGs (one class per source photo): random crops, flips and
-    rescales of the sample photos at PHOTO_SIZES."""
+    rescales of the sample photos at `sizes` (width, height), in turn."""
     rng = np.random.default_rng(seed)
     sources = [Image.fromarray(pixels) for pixels in sample_photos()]
     for index in range(count):
         label = index % len(sources)
         source = sources[label]
-        width, height = PHOTO_SIZES[index % len(PHOTO_SIZES)]
+        width, height = sizes[index % len(sizes)]
         # The largest crop of the target's aspect ratio, shrunk to 60-100 % of its side, anywhere in the photo.
         fit = min(source.width / width, source.height / height) * rng.uniform(0.6, 1.0)
         crop_w, crop_h = int(width * fit), int(height * fit)

@@ -61,13 +61,19 @@ def inspect_folder(root: str, field: str) -> FolderInfo:
 
 @dataclass(frozen=True)
 class ScoreInputs:
-    files: list[str]  # sorted, relative to the folder, with / between parts
-    labels: list[str] | None  # each file's class folder when the folder is ImageNet-layout, else None
+    # A folder's files sorted, relative to it, with / between parts; a packed dataset's samples in shard order,
+    # named SHARD:KEY.jpg.
+    files: list[str]
+    labels: list[str] | None  # each file's class (folder) when the input has classes, else None
 
 
 def list_score_inputs(root: str, field: str) -> ScoreInputs:
-    """The images to score: an ImageNet-layout folder (labels from the class folders) or a flat folder of images.
-    A missing or empty folder is a one-line DataError naming `field`."""
+    """The images to score: an ImageNet-layout folder (labels from the class folders), a flat folder of images,
+    or a packed dataset (`clusterfit data pack`). A missing or empty one is a one-line DataError naming `field`."""
+    from clusterfit.data.shards import is_packed, list_packed  # shards imports this module
+
+    if is_packed(root):
+        return ScoreInputs(*list_packed(root, field))
     path = Path(root)
     if not path.is_dir():
         what = "is a file" if path.exists() else "no such folder"

@@ -1,4 +1,4 @@
-"""Reading packed shards for training and validation.
+"""Reading packed shards for training, validation and scoring.
 
 Each epoch, the shards are put in an order drawn from (seed, epoch) and read as one stream of samples.
 Rank r trains on its own contiguous range of that stream, `steps_per_epoch * batch_size` samples, so across
@@ -8,6 +8,9 @@ blocks are dealt to DataLoader workers in turn, so no two workers read the same 
 
 Everything is a function of (seed, epoch, rank, step): two runs with the same seed see the same batches,
 and a job resumed at step k reads exactly the batches it had not yet trained on.
+
+Validation and scoring read the stream unshuffled, in index order: a validation rank its own share of it, a
+scoring rank the chunks of its plan (`PackedImages`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from clusterfit.data.decode import BadImage
 from clusterfit.data.quality import BadRead
-from clusterfit.data.shards import PackedIndex, ShardInfo
+from clusterfit.data.shards import PackedIndex, ShardError, ShardInfo, sample_name
 
 Batch = tuple[torch.Tensor | None, torch.Tensor | None, int, list[BadRead]]
 Transform = Callable[[bytes, torch.Generator | None], torch.Tensor]
@@ -125,7 +128,7 @@ class ShardTrainSamples(IterableDataset):
     def _read_block(self, order: list[ShardInfo], rank_start: int, block: range) -> list[tuple[str, bytes, int]]:
         start = rank_start + block.start * self.batch_size
         samples = [
-            (f"{seg.shard.name}:{key}.jpg", data, label)
+            (sample_name(seg.shard.name, key), data, label)
             for seg in locate(order, start, start + len(block) * self.batch_size)
             for key, data, label in self.index.iter_samples(seg.shard, seg.skip, seg.count)
         ]
@@ -168,18 +171,61 @@ class ShardEvalSamples(IterableDataset):
             lo = self.start + batch * self.batch_size
             hi = min(lo + self.batch_size, self.stop)
             images, labels, bad = [], [], []
-            for seg in locate(self.index.shards, lo, hi):
-                for key, data, label in self.index.iter_samples(seg.shard, seg.skip, seg.count):
-                    try:
-                        images.append(self.transform(data, None))
-                        labels.append(label)
-                    except BadImage as exc:
-                        bad.append((f"{seg.shard.name}:{key}.jpg", exc.reason))
+            for name, label, pixels, reason in decode_range(self.index, lo, hi, self.transform):
+                if pixels is None:
+                    bad.append((name, reason))
+                else:
+                    images.append(pixels)
+                    labels.append(label)
             reads = len(images) + len(bad)
             if not images:
                 yield None, None, reads, bad
             else:
                 yield torch.stack(images), torch.tensor(labels, dtype=torch.int64), reads, bad
+
+
+class PackedImages(Dataset):
+    """A packed dataset's samples by position in shard order, for a DataLoader with a batch sampler whose batches
+    are runs of consecutive positions (scoring's): each batch is one sequential read from the nearest seek
+    point, where a sample at a time would re-read the headers before it. Items are LabeledImages' with
+    `substitute=False`: (pixels or None, position, bad reads); `names` (from `list_packed`) pins the order."""
+
+    def __init__(self, index: PackedIndex, names: list[str], transform: Transform) -> None:
+        self.index, self.transform = index, transform
+        self.samples = [(name, position) for position, name in enumerate(names)]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, position: int) -> tuple[torch.Tensor | None, int, list[BadRead]]:
+        return self.__getitems__([position])[0]
+
+    def __getitems__(self, positions: list[int]) -> list[tuple[torch.Tensor | None, int, list[BadRead]]]:
+        first = positions[0]
+        assert positions == list(range(first, first + len(positions))), "a batch of consecutive positions"
+        items: list[tuple[torch.Tensor | None, int, list[BadRead]]] = []
+        decoded = decode_range(self.index, first, first + len(positions), self.transform)
+        for position, (name, _, pixels, reason) in enumerate(decoded, start=first):
+            if name != self.samples[position][0]:
+                raise ShardError(f"sample {position} is {name}, it was {self.samples[position][0]}: the pack changed")
+            items.append((pixels, position, [] if pixels is not None else [(name, reason)]))
+        if len(items) != len(positions):
+            raise ShardError(f"samples {first}-{positions[-1]}: the shards hold fewer than the index lists")
+        return items
+
+
+def decode_range(
+    index: PackedIndex, start: int, stop: int, transform: Transform
+) -> Iterator[tuple[str, int, torch.Tensor | None, str]]:
+    """(name, class index, pixels, "") for each of positions [start, stop) of the unshuffled stream; a sample
+    that does not decode gives (name, class index, None, the reason)."""
+    for seg in locate(index.shards, start, stop):
+        for key, data, label in index.iter_samples(seg.shard, seg.skip, seg.count):
+            name = sample_name(seg.shard.name, key)
+            try:
+                yield name, label, transform(data, None), ""
+            except BadImage as exc:
+                yield name, label, None, exc.reason
 
 
 def as_is(batch: Batch) -> Batch:

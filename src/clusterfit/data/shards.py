@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -128,6 +128,13 @@ class PackedIndex:
         with self.source.open(shard.name) as f:
             yield from iter_samples(f, skip, limit, seek=shard.seek, seek_every=self.seek_every, name=shard.name)
 
+    def iter_labels(self, shard: ShardInfo) -> Iterator[tuple[str, int]]:
+        """(key, class index) of every sample of `shard`: member headers and the small .cls members only, no
+        image is read."""
+        with self.source.open(shard.name) as f, tarfile.open(fileobj=f, mode="r:") as tar:
+            for key, parts in _grouped(tar, shard.name):
+                yield key, _label(tar, shard.name, key, parts)
+
 
 def is_packed(root: str | Path) -> bool:
     return (Path(root) / INDEX).is_file()
@@ -211,28 +218,40 @@ def iter_samples(
 
 
 def _members(tar: tarfile.TarFile, name: str, skip: int, end: float) -> Iterator[tuple[str, bytes, int]]:
-    position, current, parts = -1, None, {}
+    for position, (key, parts) in enumerate(_grouped(tar, name)):
+        if position >= skip:
+            label = _label(tar, name, key, parts)  # first: it checks that both members are there
+            yield key, _read_member(tar, parts["jpg"], name), label
+        if position + 1 >= end:
+            return
+
+
+def _grouped(tar: tarfile.TarFile, name: str) -> Iterator[tuple[str, dict[str, tarfile.TarInfo]]]:
+    """(key, {extension: member}) of each sample in shard order; a sample's members are consecutive, so each
+    is complete when the next key starts (its data is read from there by seeking back)."""
+    current, parts = None, {}
     for member in tar:
         if not member.isfile():
             raise ShardError(f"{name}: member {member.name!r} is not a regular file; refusing this shard")
         key, ext = member_key(member.name, name)
         if key != current:
             if current is not None:
-                position += 1
-                if skip <= position < end:
-                    yield _sample(tar, name, current, parts)
-                if position + 1 >= end:
-                    return
+                yield current, parts
             current, parts = key, {}
         parts[ext] = member
-    if current is not None and skip <= position + 1 < end:
-        yield _sample(tar, name, current, parts)
+    if current is not None:
+        yield current, parts
 
 
-def _sample(tar: tarfile.TarFile, shard: str, key: str, parts: dict[str, tarfile.TarInfo]) -> tuple[str, bytes, int]:
+def _label(tar: tarfile.TarFile, shard: str, key: str, parts: dict[str, tarfile.TarInfo]) -> int:
     if "jpg" not in parts or "cls" not in parts:
         raise ShardError(f"{shard}: sample {key!r} lacks a .jpg or .cls member")
-    return key, _read_member(tar, parts["jpg"], shard), int(_read_member(tar, parts["cls"], shard).decode().strip())
+    return int(_read_member(tar, parts["cls"], shard).decode().strip())
+
+
+def sample_name(shard: str, key: str) -> str:
+    """How a packed sample is named to people (skipped-file reports, predictions): `shard-000003.tar:KEY.jpg`."""
+    return f"{shard}:{key}.jpg"
 
 
 def _read_member(tar: tarfile.TarFile, member: tarfile.TarInfo, shard: str) -> bytes:
@@ -253,9 +272,18 @@ def check_members(path: Path) -> int:
     return len(keys)
 
 
+@contextmanager
+def _one_line(field_name: str, root: str) -> Iterator[None]:
+    """A packed dataset's problems as one-line DataErrors naming the field and the folder."""
+    try:
+        yield
+    except (ShardError, tarfile.TarError, OSError) as exc:
+        raise DataError(f"{field_name} = {root!r}: {' '.join(str(exc).split())}", retryable=False) from None
+
+
 def inspect_packed(root: str, field_name: str) -> tuple[list[str], int]:
     """Check a packed dataset before training: index, shard sizes, member names. Returns (classes, samples)."""
-    try:
+    with _one_line(field_name, root):
         index = read_index(root)
         for shard in index.shards:
             path = index.shard_path(shard)
@@ -265,11 +293,25 @@ def inspect_packed(root: str, field_name: str) -> tuple[list[str], int]:
                 raise ShardError(f"shard {shard.name} has {path.stat().st_size} bytes, the index says {shard.bytes}")
             if check_members(path) != shard.samples:
                 raise ShardError(f"shard {shard.name} does not hold the {shard.samples} samples the index lists")
-    except (ShardError, tarfile.TarError, OSError) as exc:
-        raise DataError(f"{field_name} = {root!r}: {' '.join(str(exc).split())}", retryable=False) from None
     if index.samples == 0:
         raise DataError(f"{field_name} = {root!r}: the packed dataset holds no samples", retryable=False)
     return index.classes, index.samples
+
+
+def list_packed(root: str, field_name: str) -> tuple[list[str], list[str]]:
+    """Every sample's name (`sample_name`) and class, in shard order: what a scoring job scores. Reads the member
+    headers and .cls members of every shard, no image."""
+    with _one_line(field_name, root):
+        index = read_index(root)
+        samples = [(shard, key, label) for shard in index.shards for key, label in index.iter_labels(shard)]
+        if len(samples) != index.samples:
+            raise ShardError(f"the shards hold {len(samples)} samples, the index lists {index.samples}")
+        unknown = sorted({label for _, _, label in samples if not 0 <= label < len(index.classes)})
+        if unknown:
+            raise ShardError(f"class indices {unknown[:5]} are not among the index's {len(index.classes)} classes")
+    if not samples:
+        raise DataError(f"{field_name} = {root!r}: the packed dataset holds no samples", retryable=False)
+    return [sample_name(shard.name, key) for shard, key, _ in samples], [index.classes[label] for *_, label in samples]
 
 
 # ---------------------------------------------------------------------------------------------- packing

@@ -2,14 +2,14 @@
 predictions.parquet they are merged into. Writer and reader side by side; torch-free, pyarrow on demand (the
 `score` extra).
 
-The sorted file list is cut into chunks (at most `chunk_images`, and small enough that each rank gets a few, so
-no rank idles while another finishes a long last chunk); chunk g belongs to rank g mod world size and is
-published as `predictions/rank-R/chunk-G.parquet` by one rename, holding every file of the chunk (a file that
-could not be decoded as a row with its `bad_reason`). A chunk is done once its file exists, under any rank's
-folder: a run killed at any moment and run again scores only the chunks that have no file, so no image is scored
-twice and the merged output is the same. `plan.json` pins the file list and the chunk size the chunks were cut
-with: a rerun keeps that chunk size (under any number of ranks), and a rerun over other files or another model is
-refused rather than mixed in."""
+The input's file list (sorted; a packed dataset's in shard order) is cut into chunks (at most `chunk_images`, and
+small enough that each rank gets a few, so no rank idles while another finishes a long last chunk); chunk g belongs
+to rank g mod world size and is published as `predictions/rank-R/chunk-G.parquet` by one rename, holding every file
+of the chunk (a file that could not be decoded as a row with its `bad_reason`). A chunk is done once its file
+exists, under any rank's folder: a run killed at any moment and run again scores only the chunks that have no file,
+so no image is scored twice and the merged output is the same. `plan.json` pins the file list and the chunk size the
+chunks were cut with: a rerun keeps that chunk size (under any number of ranks), and a rerun over other files or
+another model is refused rather than mixed in."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from clusterfit.files import write_atomically
 from clusterfit.outputs.layout import JobOutputs
 
 PLAN_FILE = "plan.json"
-FILE_COLUMN = "file"  # the image's path relative to the input folder
-LABEL_COLUMN = "label"  # its class folder, when the input is ImageNet-layout
+FILE_COLUMN = "file"  # the image's path relative to the input folder (a packed sample's SHARD:KEY.jpg)
+LABEL_COLUMN = "label"  # its class, when the input has classes (ImageNet layout, or packed)
 BAD_COLUMN = "bad_reason"  # chunk files only: why a file could not be scored (data/decode.py REASONS)
 _CHUNK = re.compile(r"chunk-(\d+)\.parquet$")
 
@@ -69,8 +69,8 @@ def plan_chunk_size(outputs: JobOutputs, files: Sequence[str], world_size: int, 
 class ScorePlan:
     """Which files each chunk holds and which rank scores it; the same on every rank and every rerun."""
 
-    files: Sequence[str]  # sorted, relative to the input folder
-    labels: Sequence[str] | None  # the class folder of each file (ImageNet layout), else None
+    files: Sequence[str]  # as `list_score_inputs` gives them: sorted, or a packed dataset's in shard order
+    labels: Sequence[str] | None  # the class (folder) of each file, else None
     chunk_images: int
 
     @property

@@ -1,5 +1,6 @@
-"""Batch scoring inside every worker rank (`clusterfit score`): each rank scores its own chunks of the sorted file
-list with the exported model, publishes each chunk as it finishes, and rank 0 merges them once every rank is done.
+"""Batch scoring inside every worker rank (`clusterfit score`): each rank scores its own chunks of the input's file
+list (a folder's, or a packed dataset's samples) with the exported model, publishes each chunk as it finishes, and
+rank 0 merges them once every rank is done.
 
 The network comes from the model folder (`load_classifier`), the pixels from the trainer's own validation
 transform and decoder, built from the model card's preprocessing, so scoring sees what validation saw. Chunk
@@ -19,6 +20,9 @@ from clusterfit.data.folders import list_score_inputs
 from clusterfit.data.imagefolder import LabeledImages, collate_labeled, val_transform
 from clusterfit.data.loaders import normalize_on_device
 from clusterfit.data.quality import InputTally, describe
+from clusterfit.data.shardreader import PackedImages
+from clusterfit.data.shards import is_packed, read_index
+from clusterfit.data.transforms import CenterCrop
 from clusterfit.monitoring.sinks import open_metric_sinks
 from clusterfit.outputs import JobOutputs, Phase, RecordKind, write_summary
 from clusterfit.outputs.layout import WEIGHTS_FILE
@@ -84,12 +88,7 @@ def score(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
     sinks.write({"kind": RecordKind.START, "step": images_done_before, "total_steps": len(plan.files)})
 
     pre = card.preprocessing
-    root = Path(cfg.input)
-    dataset = LabeledImages(  # the label slot carries the file's index; a bad file is dropped and counted
-        [(str(root / file), index) for index, file in enumerate(plan.files)],
-        val_transform(pre.center_crop, pre.crop_fraction),
-        substitute=False,
-    )
+    dataset = _images(cfg.input, plan.files, val_transform(pre.center_crop, pre.crop_fraction))
     # Batches never cross a chunk, so a chunk's rows are the same whichever run scores it.
     batches: list[list[int]] = []
     owners: list[int] = []  # the chunk of each batch
@@ -136,6 +135,15 @@ def score(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
     heartbeat.beat(Phase.DONE, scored + tally.skipped_files, force=True)
     heartbeat.flush()
     return summary
+
+
+def _images(root: str, files: list[str], transform: CenterCrop) -> LabeledImages | PackedImages:
+    """The input's images by index in `files`; the label slot of their batches carries that index, and a bad
+    image is dropped and counted."""
+    if is_packed(root):
+        return PackedImages(read_index(root), files, transform)
+    samples = [(str(Path(root) / file), index) for index, file in enumerate(files)]
+    return LabeledImages(samples, transform, substitute=False)
 
 
 def _chunk_columns(plan: ScorePlan, chunk: int, rows: dict[int, dict[str, Any]], top_k: int) -> dict[str, list[Any]]:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 from urllib.parse import urlsplit
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
@@ -51,6 +51,9 @@ from clusterfit.service.local_jobs import LocalJobs
 from clusterfit.service.records import forget_secrets_of_ended_jobs
 from clusterfit.service.scheduler import reconcile, schedule
 from clusterfit.service.store import ApiToken, JobStore
+
+if TYPE_CHECKING:
+    import uvicorn  # imported where a server runs: the CLI's other commands need not load it
 
 log = logging.getLogger("clusterfit.server")
 DASHBOARD = files("clusterfit.service") / "dashboard"
@@ -453,6 +456,21 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def stop_gracefully_on_signals(server: uvicorn.Server) -> None:
+    """SIGTERM and SIGINT make `server` drain (uvicorn's graceful shutdown) and return, so the caller's own
+    cleanup runs and the process exits 0; call it before announcing the address."""
+
+    # NOTE: uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handlers it
+    # found; these make that second delivery a no-op instead of killing the process. A signal that comes before
+    # uvicorn has put in its own handlers (just after "listening") lands here: it asks uvicorn to stop as soon
+    # as it runs, instead of being lost.
+    def stop_soon(_number: int, _frame: object) -> None:
+        server.should_exit = True
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop_soon)
+
+
 def serve(
     store: JobStore,
     sock: socket.socket,
@@ -478,16 +496,7 @@ def serve(
     host, port = sock.getsockname()[:2]
     scheme = "https" if tls_cert else "http"
     shown = f"[{host}]" if ":" in host else host
-
-    # NOTE: uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handlers it
-    # found; these make that second delivery a no-op, so the maintenance thread is stopped too and we exit 0.
-    # A signal that comes before uvicorn has put in its own handlers (just after "listening") lands here: it
-    # asks uvicorn to stop as soon as it runs, instead of being lost.
-    def stop_soon(_number: int, _frame: object) -> None:
-        server.should_exit = True
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, stop_soon)
+    stop_gracefully_on_signals(server)  # so the maintenance thread is stopped too
     with Maintenance(store, settings.maintenance_every_s, start_jobs=not settings.paused).running():
         announce(f"clusterfit server listening on {scheme}://{shown}:{port} (dashboard: {scheme}://{shown}:{port}/)")
         server.run(sockets=[sock])

@@ -507,7 +507,9 @@ class ScorerSpec(_Strict):
     """Batch scoring with an exported model: every image of `input` scored once, across every rank."""
 
     model_dir: str = Field(description="an exported model folder (a job's model/, with model_card.json)")
-    input: str = Field(description="images to score: an ImageNet-layout folder, a flat folder, or a URL of either")
+    input: str = Field(
+        description="images to score: an ImageNet-layout folder, a flat folder, a packed dataset, or a URL of a folder"
+    )
     top_k: int = Field(5, ge=1, description="classes kept per image, at most the model's class count")
     batch_size: int = Field(64, ge=1, description="images per forward pass")
     chunk_images: int = Field(
