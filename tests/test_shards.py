@@ -15,7 +15,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from clusterfit.data.shardreader import ShardTrainSamples, as_is, consumed_per_role, delivery_order
-from clusterfit.data.shards import INDEX, iter_samples, pack_folder, parse_size, read_index
+from clusterfit.data.shards import INDEX, ShardError, iter_samples, pack_folder, parse_size, read_index
 from clusterfit.data.transforms import CenterCrop, TrainCrop
 from clusterfit.errors import DataError
 from clusterfit.launch import preflight
@@ -102,6 +102,19 @@ def test_shard_member_escaping_the_folder_is_refused_before_training(tmp_path: P
         f"trainer.data.train = '{evil}': shard-000000.tar: member '../../escape.cls' has a "
         "path that escapes the shard; refusing this shard"
     )
+
+
+def test_a_class_that_is_not_an_index_is_one_line_naming_the_sample(tmp_path: Path) -> None:
+    shard = tmp_path / "shard-000000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for name, data in (("a.cls", b"cat\n"), ("a.jpg", b"x")):
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    with pytest.raises(ShardError) as caught:
+        list(iter_samples(shard))
+    expected = "shard-000000.tar: sample 'a' has class 'cat' in its .cls member; expected a class index"
+    assert str(caught.value) == expected
 
 
 def test_every_sample_once_per_epoch_across_two_ranks_and_two_workers(packed40: Path) -> None:

@@ -246,7 +246,10 @@ def _grouped(tar: tarfile.TarFile, name: str) -> Iterator[tuple[str, dict[str, t
 def _label(tar: tarfile.TarFile, shard: str, key: str, parts: dict[str, tarfile.TarInfo]) -> int:
     if "jpg" not in parts or "cls" not in parts:
         raise ShardError(f"{shard}: sample {key!r} lacks a .jpg or .cls member")
-    return int(_read_member(tar, parts["cls"], shard).decode().strip())
+    text = _read_member(tar, parts["cls"], shard).decode(errors="replace").strip()
+    if not text.isdigit():
+        raise ShardError(f"{shard}: sample {key!r} has class {text[:40]!r} in its .cls member; expected a class index")
+    return int(text)
 
 
 def sample_name(shard: str, key: str) -> str:
