@@ -275,6 +275,9 @@ def check_members(path: Path) -> int:
     return len(keys)
 
 
+_EMPTY = "the packed dataset holds no samples"
+
+
 @contextmanager
 def _one_line(field_name: str, root: str) -> Iterator[None]:
     """A packed dataset's problems as one-line DataErrors naming the field and the folder."""
@@ -296,8 +299,8 @@ def inspect_packed(root: str, field_name: str) -> tuple[list[str], int]:
                 raise ShardError(f"shard {shard.name} has {path.stat().st_size} bytes, the index says {shard.bytes}")
             if check_members(path) != shard.samples:
                 raise ShardError(f"shard {shard.name} does not hold the {shard.samples} samples the index lists")
-    if index.samples == 0:
-        raise DataError(f"{field_name} = {root!r}: the packed dataset holds no samples", retryable=False)
+        if index.samples == 0:
+            raise ShardError(_EMPTY)
     return index.classes, index.samples
 
 
@@ -312,8 +315,8 @@ def list_packed(root: str, field_name: str) -> tuple[list[str], list[str]]:
         unknown = sorted({label for _, _, label in samples if not 0 <= label < len(index.classes)})
         if unknown:
             raise ShardError(f"class indices {unknown[:5]} are not among the index's {len(index.classes)} classes")
-    if not samples:
-        raise DataError(f"{field_name} = {root!r}: the packed dataset holds no samples", retryable=False)
+        if not samples:
+            raise ShardError(_EMPTY)
     return [sample_name(shard.name, key) for shard, key, _ in samples], [index.classes[label] for *_, label in samples]
 
 
