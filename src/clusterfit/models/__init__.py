@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torchvision.models import get_model, resnet
 from torchvision.models.resnet import BasicBlock
 
@@ -40,8 +42,18 @@ def _construction(name: str, image_size: int) -> dict[str, Any]:
     return {}
 
 
+def load_weights(model: nn.Module, state: Mapping[str, Tensor], *, strict: bool = True) -> None:
+    """Plain tensors by name (as safetensors holds them) into `model`, in place."""
+    weights = OrderedDict(state)
+    # NOTE: a plain dict lacks the per-module `version` a state_dict() carries, and some torchvision modules refuse
+    # to load without it (MNASNet: "version should be set to 1 or 2"); the freshly built model's own versions are
+    # the weights' versions, since the same torchvision built both.
+    weights._metadata = getattr(model.state_dict(), "_metadata", OrderedDict())  # type: ignore[attr-defined]
+    model.load_state_dict(weights, strict=strict)
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["build_model", "count_parameters"]
+__all__ = ["build_model", "count_parameters", "load_weights"]

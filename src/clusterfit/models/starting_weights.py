@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from clusterfit.errors import SpecError
+from clusterfit.models import load_weights
 
 FIELD = "trainer.init.weights"
 
@@ -68,7 +69,7 @@ def load_starting_weights(model: nn.Module, path: str) -> StartingWeights:
             f"{FIELD} = {path!r}: {len(problems)} of the model's {len(own)} tensors are missing or shaped "
             f"differently (e.g. {problems[0]}); give weights of the same model (trainer.model)"
         )
-    model.load_state_dict({name: state[name] for name in own if name not in replaced}, strict=False)
+    load_weights(model, {name: state[name] for name in own if name not in replaced}, strict=False)
     return StartingWeights(path=path, sha256=digest, loaded=len(own) - len(replaced), replaced=replaced)
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from clusterfit.data.loaders import IMAGENET_MEAN, IMAGENET_STD
-from clusterfit.models import build_model
+from clusterfit.models import build_model, load_weights
 from clusterfit.outputs import model_weights
 
 
@@ -38,5 +38,5 @@ def load_classifier(model_dir: str | Path) -> Classifier:
     with safe_open(str(path), framework="pt") as f:
         metadata = {key: json.loads(value) for key, value in (f.metadata() or {}).items()}
     model = build_model(metadata["model"], len(metadata["classes"]), metadata["norm_layer"], metadata["image_size"])
-    model.load_state_dict(load_file(str(path)))
+    load_weights(model, load_file(str(path)))
     return Classifier(model.eval(), metadata["classes"], metadata["image_size"], metadata)

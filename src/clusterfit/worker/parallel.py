@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+from clusterfit.models import load_weights
 from clusterfit.spec.model import FsdpOptions, LocalSgdOptions, PipelineOptions, TrainerSpec
 from clusterfit.worker.dist import DistEnv
 from clusterfit.worker.pipeline import ResNetStage, stage_parts
@@ -368,7 +369,7 @@ def _residual_blocks(model: nn.Module) -> list[nn.Module]:
 
 def _plain_model(factory: ModelFactory, state: StateDict, device: torch.device) -> nn.Module:
     model = factory()
-    model.load_state_dict(state)
+    load_weights(model, state)
     return model.to(device)
 
 

@@ -22,7 +22,7 @@ from clusterfit.data.folders import inspect_data
 from clusterfit.data.loaders import build_train_data, build_val_loader, normalize_on_device
 from clusterfit.data.quality import InputTally, describe
 from clusterfit.files import write_atomically
-from clusterfit.models import build_model
+from clusterfit.models import build_model, load_weights
 from clusterfit.models.starting_weights import StartingWeights, backbone_parameters, load_starting_weights
 from clusterfit.monitoring.sinks import open_metric_sinks
 from clusterfit.outputs import JobOutputs, Phase, RecordKind, write_summary
@@ -471,7 +471,7 @@ class Trainer:
         if best is not None:
             model_state = load_file(str(self.out.best_weights))
             log.info("exporting the weights of epoch %d, the best %s", best["epoch"], cfg.best_metric)
-        model.load_state_dict(model_state)
+        load_weights(model, model_state)
         metadata = {
             "model": cfg.model,
             "norm_layer": cfg.norm_layer,
