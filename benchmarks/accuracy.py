@@ -26,6 +26,11 @@ import yaml
 
 from clusterfit.bench.machine import cpu_model
 
+RANKS = 2
+MOMENTUM = 0.9
+WEIGHT_DECAY = 5e-4  # clusterfit leaves normalisation weights and biases undecayed
+WARMUP_EPOCHS = 1
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "small preset (auto at 32 px)": {"augment": {"preset": "auto"}},
     "imagenet preset": {"augment": {"preset": "imagenet"}},
@@ -56,29 +61,38 @@ def render_digits(root: Path, size: int = 32) -> Path:
     return root
 
 
-def run(workdir: Path, data: Path, config: int, trainer: dict[str, Any], seed: int, args: argparse.Namespace) -> dict:
-    out = workdir / f"config{config}-seed{seed}"
+def write_job(
+    workdir: Path, out: Path, data: Path, trainer: dict[str, Any], seed: int, args: argparse.Namespace
+) -> Path:
+    """The job file of one configuration and seed; `trainer` overrides the shared settings (`data` key by key)."""
+    data_spec = {"train": str(data / "train"), "val": str(data / "val"), "image_size": 32, "loader_workers": 1}
     job = {
         "name": "accuracy",
         "trainer": {
             "model": args.model,
-            "data": {"train": str(data / "train"), "val": str(data / "val"), "image_size": 32, "loader_workers": 1},
             "epochs": args.epochs,
-            "batch_size": args.batch // 2,
-            "optimizer": {"name": "sgd", "lr": args.lr, "momentum": 0.9, "weight_decay": 5e-4},
-            "schedule": {"kind": "cosine", "warmup_epochs": 1},
+            "batch_size": args.batch // RANKS,
+            "optimizer": {"name": "sgd", "lr": args.lr, "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY},
+            "schedule": {"kind": "cosine", "warmup_epochs": WARMUP_EPOCHS},
             "precision": args.precision,
             "log_every_steps": 1000,
             "checkpoint": {"every_steps": None, "keep": 1},
             "seed": seed,
             **trainer,
+            "data": {**data_spec, **trainer.get("data", {})},
         },
-        "distribution": {"type": "pytorch", "process_count_per_instance": 2},
+        "distribution": {"type": "pytorch", "process_count_per_instance": RANKS},
         "resources": {"instance_count": 1, "backend": "local"},
         "outputs": {"dir": str(out)},
     }
     spec = workdir / f"{out.name}.yaml"
     spec.write_text(yaml.safe_dump(job, sort_keys=False))
+    return spec
+
+
+def run(workdir: Path, data: Path, config: int, trainer: dict[str, Any], seed: int, args: argparse.Namespace) -> dict:
+    out = workdir / f"config{config}-seed{seed}"
+    spec = write_job(workdir, out, data, trainer, seed, args)
     result = subprocess.run(
         [sys.executable, "-m", "clusterfit", "run", str(spec)], capture_output=True, text=True, timeout=3600
     )
@@ -98,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=64, help="global batch (2 ranks)")
+    parser.add_argument("--batch", type=int, default=64, help=f"global batch ({RANKS} ranks)")
     parser.add_argument("--lr", type=float, default=0.4, help="per 256 images, as trainer.optimizer.lr")
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--seeds", default="0,1,2")

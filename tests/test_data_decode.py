@@ -176,7 +176,7 @@ def test_augmentation_presets_and_policies_keep_the_fast_path_s_shape_and_determ
     from clusterfit.spec.model import AugmentSpec
 
     assert AugmentSpec().resolved(32).describe() == (
-        "augmentation: preset small (auto: image_size 32 <= 64), crop scale 0.64-1, no flip"
+        "augmentation: preset small (auto: train crop 32 px <= 64), crop scale 0.64-1, no flip"
     )
     big = AugmentSpec().resolved(224)
     assert (big.preset, big.crop_scale, big.flip) == ("imagenet", (0.08, 1.0), True)

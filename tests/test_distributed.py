@@ -213,7 +213,8 @@ def _add_awkward_files(train: Path, val: Path) -> None:
 
 def test_imagefolder_end_to_end(tmp_path: Path, tiny_imagefolder: Path) -> None:
     """A user's folder of JPEGs with a few bad files, 2 workers: the bad files are skipped and reported,
-    validation is counted exactly, the model is exported and usable."""
+    validation is counted exactly, the model is exported and usable. Training crops are smaller than validation's
+    (torchvision's --train-crop-size 24 --val-resize-size 40 --val-crop-size 32)."""
     _add_awkward_files(tiny_imagefolder / "train", tiny_imagefolder / "val")
     job = tiny_job(
         tmp_path / "out",
@@ -226,6 +227,9 @@ def test_imagefolder_end_to_end(tmp_path: Path, tiny_imagefolder: Path) -> None:
             "train": str(tiny_imagefolder / "train"),
             "val": str(tiny_imagefolder / "val"),
             "image_size": 32,
+            "train_crop_size": 24,
+            "val_resize_size": 40,
+            "val_crop_size": 32,
             "num_classes": None,
             "loader_workers": 1,
             "max_bad_fraction": 0.1,
@@ -281,9 +285,10 @@ def _check_model_card_and_onnx_export(out: Path, images: Path, summary: dict) ->
     card = json.loads((out / "model" / "model_card.json").read_text())
     assert card["classes"] == ["class_0", "class_1", "class_2"] and card["model"] == "resnet_tiny"
     assert card["preprocessing"] == {
-        "resize_shorter_side": 37, "center_crop": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
-        "channel_order": "RGB", "layout": "NCHW", "scale": 1 / 255, "crop_fraction": 0.875,
+        "resize_shorter_side": 40, "center_crop": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
+        "channel_order": "RGB", "layout": "NCHW", "scale": 1 / 255, "crop_fraction": 0.8,
     }  # fmt: skip
+    assert card["image_size"] == 32
     assert card["metrics"]["val_top1"] == summary["epochs"][-1]["val_top1"]
     assert card["spec_sha256"] == spec_hash(summary["spec"])
     weights = (out / "model" / "model.safetensors").read_bytes()
@@ -296,7 +301,7 @@ def _check_model_card_and_onnx_export(out: Path, images: Path, summary: dict) ->
     assert checks["same_top1"] and checks["max_abs_diff"] <= 1e-4 and checks["path"] == "model.onnx"
 
     files = sorted(images.rglob("*.jpg"))
-    crop = CenterCrop(32)
+    crop = CenterCrop(32, 0.8)  # the card's validation transform, which the ONNX check went through
     pixels = torch.stack([crop(str(f)) for f in files if f.stat().st_size > 1000])  # the awkward files left out
     from_weights = load_classifier(out / "model").predict(pixels)
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1) * 255

@@ -97,6 +97,17 @@ def test_each_family_trains_on_two_ranks_and_exports(tmp_path: Path) -> None:
         ({"model": "vgg"}, 32, "trainer.model: 'vgg' is unknown; use a torchvision classification model such as"),
         ({"model": "vit_b_16"}, 40, "data.image_size = 40: vit_b_16 cuts images into 16-pixel patches; use a"),
         ({"model": "alexnet"}, 32, "data.image_size = 32: alexnet needs images of at least 64 px"),
+        (
+            {"model": "alexnet", "data": {"train_crop_size": 48}},
+            64,
+            "data.train_crop_size = 48: alexnet needs images of at least 64 px",
+        ),
+        (
+            {"model": "vit_b_16", "data": {"val_crop_size": 48}},
+            32,
+            "data.val_crop_size = 48: vit_b_16 is built for data.image_size = 32 and takes only that size; set "
+            "val_crop_size to 32 or null",
+        ),
         ({"model": "mobilenet_v2", "norm_layer": "group"}, 32, "norm_layer: group applies to ResNet-style models"),
         (
             {"model": "efficientnet_b0", "strategy": "pipeline", "batch_size": 4},

@@ -65,6 +65,14 @@ BAD_SPECS = [
         "trainer.strategy_options.stages: unknown key; this section takes no keys here",
     ),
     ("trainer.grad_compression", "powersgd", None),  # valid with the default ddp
+    ("trainer.data.train_crop_size", 8, "trainer.data.train_crop_size = 8: Input should be greater than or equal"),
+    (
+        "trainer.data.val_resize_size",
+        24,
+        "trainer.data: val_resize_size = 24 is smaller than val_crop_size (null: image_size) = 32: the centre crop "
+        "must fit inside the resized image; give val_resize_size >= 32 or a smaller crop",
+    ),
+    ("trainer.data.val_resize_size", 32, None),  # the whole image: a crop as large as the resize
     ("outputs", None, "outputs = None: Input should be a valid dictionary"),
 ]
 

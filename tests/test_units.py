@@ -77,6 +77,36 @@ def test_synthetic_batches_split_one_global_batch_across_ranks() -> None:
     assert len(list(whole.batches(0, start_step=2))) == 1
 
 
+def test_train_and_validation_sizes_reach_the_transforms_and_the_model_card(tmp_path: Path) -> None:
+    """torchvision's --train-crop-size, --val-resize-size and --val-crop-size: the validation transform equals
+    its Resize + CenterCrop, and the model card states it; unset, they are today's image_size and 0.875."""
+    import numpy as np
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    from clusterfit.data.imagefolder import preprocessing_transform, train_transform
+    from clusterfit.data.loaders import val_preprocessing
+    from clusterfit.outputs.model_card import Preprocessing
+    from clusterfit.spec.model import TrainerSpec
+
+    default = TrainerSpec(data={"train": "synthetic", "num_classes": 3, "image_size": 32})
+    assert val_preprocessing(default.data) == Preprocessing(resize_shorter_side=37, center_crop=32, crop_fraction=0.875)
+    sized = TrainerSpec(
+        data={"train": "synthetic", "num_classes": 3, "image_size": 64, "train_crop_size": 24, "val_resize_size": 40,
+              "val_crop_size": 32}
+    )  # fmt: skip
+    assert sized.resolved_augment().preset == "small"  # `auto` goes by the 24 px training crop, not image_size 64
+    preprocessing = val_preprocessing(sized.data)
+    assert (preprocessing.resize_shorter_side, preprocessing.center_crop, preprocessing.crop_fraction) == (40, 32, 0.8)
+
+    photo = tmp_path / "photo.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(photo)
+    reference = v2.Compose([v2.PILToTensor(), v2.Resize(40), v2.CenterCrop(32)])(Image.open(photo).convert("RGB"))
+    assert torch.equal(preprocessing_transform(preprocessing)(str(photo)), reference)
+    crop = train_transform(sized.data.train_crop, sized.resolved_augment())(str(photo), torch.Generator())
+    assert crop.shape == (3, 24, 24)
+
+
 def test_validation_shards_cover_each_sample_once() -> None:
     shards = [list(ShardSampler(15, rank, 4)) for rank in range(4)]
     assert sorted(i for shard in shards for i in shard) == list(range(15))

@@ -15,7 +15,7 @@ from clusterfit.data.decode import BadImage
 from clusterfit.data.folders import IMG_EXTENSIONS
 from clusterfit.data.quality import BadInputError, BadRead
 from clusterfit.data.transforms import CenterCrop, TrainCrop, TrainTransform
-from clusterfit.outputs.model_card import VAL_CROP_FRACTION
+from clusterfit.outputs.model_card import VAL_CROP_FRACTION, Preprocessing
 from clusterfit.spec.model import ResolvedAugment
 
 # How many other samples a training item tries before giving up; enough for any dataset whose bad share is
@@ -93,17 +93,22 @@ class CountedBatches:
         return reads, bad
 
 
-def train_transform(image_size: int, augment: ResolvedAugment | None = None) -> TrainTransform:
-    """The job's augmentation (`trainer.augment`, resolved for its image size); ImageNet's without one."""
+def train_transform(train_crop: int, augment: ResolvedAugment | None = None) -> TrainTransform:
+    """The job's augmentation (`trainer.augment`, resolved for its training crop); ImageNet's without one."""
     if augment is None:
-        return TrainTransform(TrainCrop(image_size))
-    crop = TrainCrop(image_size, augment.crop_scale, augment.crop_ratio, augment.flip)
+        return TrainTransform(TrainCrop(train_crop))
+    crop = TrainCrop(train_crop, augment.crop_scale, augment.crop_ratio, augment.flip)
     return TrainTransform(crop, augment.policy, augment.random_erasing)
 
 
 def val_transform(image_size: int, crop_fraction: float = VAL_CROP_FRACTION) -> CenterCrop:
-    """The validation transform; scoring builds it from the model card's preprocessing (the same numbers)."""
+    """A centre crop of `crop_fraction` of the shorter side, resized to `image_size`."""
     return CenterCrop(image_size, crop_fraction)
+
+
+def preprocessing_transform(preprocessing: Preprocessing) -> CenterCrop:
+    """The validation transform a model card states: what validation ran, and what scoring and serving run."""
+    return val_transform(preprocessing.center_crop, preprocessing.crop_fraction)
 
 
 def list_samples(root: str, classes: list[str]) -> list[tuple[str, int]]:

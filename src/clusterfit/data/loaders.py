@@ -22,15 +22,15 @@ from clusterfit.data.imagefolder import (
     ShardSampler,
     collate_labeled,
     list_samples,
+    preprocessing_transform,
     train_transform,
-    val_transform,
 )
 from clusterfit.data.quality import BadRead
 from clusterfit.data.shardreader import ShardEvalSamples, ShardTrainSamples, as_is
 from clusterfit.data.shards import PackedIndex, is_packed, read_index, read_remote_index
 from clusterfit.data.staging import credentials, is_url
 from clusterfit.data.synthetic import SyntheticData
-from clusterfit.outputs.model_card import IMAGENET_MEAN, IMAGENET_STD
+from clusterfit.outputs.model_card import IMAGENET_MEAN, IMAGENET_STD, Preprocessing
 from clusterfit.spec.model import DataSpec, StorageSpec, TrainerSpec
 
 NO_CREDENTIALS = StorageSpec()  # frozen: safe to share as a default
@@ -51,6 +51,11 @@ def loader_workers(data: DataSpec, local_world_size: int) -> int:
         return data.loader_workers
     cores = len(os.sched_getaffinity(0))
     return max(1, min(8, cores // max(1, local_world_size)))
+
+
+def val_preprocessing(data: DataSpec) -> Preprocessing:
+    """The job's validation transform (data.val_crop_size, data.val_resize_size), as its model card states it."""
+    return Preprocessing.for_size(data.val_crop, data.val_resize_size)
 
 
 def packed_index(location: str, storage: StorageSpec) -> PackedIndex | None:
@@ -75,7 +80,7 @@ def build_train_data(
     data = trainer.data
     if data.is_synthetic:
         return SyntheticData(
-            image_size=data.image_size,
+            image_size=data.train_crop,
             num_classes=len(facts.classes),
             batch_size=trainer.batch_size,
             rank=rank,
@@ -89,7 +94,7 @@ def build_train_data(
     if index is not None:
         shards = ShardTrainSamples(
             index,
-            train_transform(data.image_size, trainer.augment.resolved(data.image_size)),
+            train_transform(data.train_crop, trainer.resolved_augment()),
             seed=trainer.seed,
             rank=rank,
             world_size=world_size,
@@ -100,9 +105,10 @@ def build_train_data(
         # NOTE: not persistent: workers must copy the dataset's (epoch, start step) when an epoch starts.
         loader = DataLoader(shards, batch_size=None, num_workers=workers, pin_memory=pin_memory, collate_fn=as_is)
         return ShardTrainData(CountedBatches(loader), shards, steps)
-    augment = trainer.augment.resolved(data.image_size)
     dataset = LabeledImages(
-        list_samples(data.train, facts.classes), train_transform(data.image_size, augment), substitute=True
+        list_samples(data.train, facts.classes),
+        train_transform(data.train_crop, trainer.resolved_augment()),
+        substitute=True,
     )
     sampler = ResumableSampler(
         DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=trainer.seed, drop_last=True)
@@ -135,11 +141,12 @@ def build_val_loader(
     data = trainer.data
     if data.val is None:
         return None
+    transform = preprocessing_transform(val_preprocessing(data))
     index = packed_index(data.val, storage)
     if index is not None:
         shards = ShardEvalSamples(
             index,
-            val_transform(data.image_size),
+            transform,
             rank=rank,
             world_size=world_size,
             batch_size=trainer.batch_size,
@@ -148,7 +155,7 @@ def build_val_loader(
         return CountedBatches(
             DataLoader(shards, batch_size=None, num_workers=workers, pin_memory=pin_memory, collate_fn=as_is)
         )
-    dataset = LabeledImages(list_samples(data.val, facts.classes), val_transform(data.image_size), substitute=False)
+    dataset = LabeledImages(list_samples(data.val, facts.classes), transform, substitute=False)
     loader = DataLoader(
         dataset,
         batch_size=trainer.batch_size,

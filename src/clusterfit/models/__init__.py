@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from torchvision.models import get_model, resnet
 from torchvision.models.resnet import BasicBlock
 
-from clusterfit.spec.model_names import has_residual_stages, unknown_model
+from clusterfit.spec.model_names import has_residual_stages, input_size_is_fixed, unknown_model
 
 
 def _group_norm(channels: int) -> nn.GroupNorm:
@@ -34,7 +34,7 @@ def build_model(name: str, num_classes: int, norm_layer: str = "batch", image_si
 
 
 def _construction(name: str, image_size: int) -> dict[str, Any]:
-    if name.startswith("vit_"):
+    if input_size_is_fixed(name):
         return {"image_size": image_size}
     if name in ("googlenet", "inception_v3"):
         # NOTE: their auxiliary classifiers return a tuple in training mode, which no loss here expects.

@@ -35,15 +35,19 @@ class Preprocessing:
     crop_fraction: float = VAL_CROP_FRACTION  # the centre square's side over the shorter side, then resized
 
     @classmethod
-    def for_size(cls, image_size: int) -> Preprocessing:
-        return cls(resize_shorter_side=round(image_size / VAL_CROP_FRACTION), center_crop=image_size)
+    def for_size(cls, center_crop: int, resize_shorter_side: int | None = None) -> Preprocessing:
+        """Resize(resize_shorter_side) + CenterCrop(center_crop), torchvision's validation transform; without a
+        resize, ImageNet's proportion (the crop is 0.875 of the shorter side, 224 of 256)."""
+        if resize_shorter_side is None:
+            return cls(resize_shorter_side=round(center_crop / VAL_CROP_FRACTION), center_crop=center_crop)
+        return cls(resize_shorter_side, center_crop, crop_fraction=center_crop / resize_shorter_side)
 
 
 @dataclass(frozen=True)
 class ModelCard:
     model: str
     classes: list[str]
-    image_size: int
+    image_size: int  # the side of the images the model takes: the validation crop (preprocessing.center_crop)
     preprocessing: Preprocessing
     metrics: dict[str, float]  # the last epoch's validation metrics (empty without validation data)
     spec_sha256: str

@@ -196,7 +196,7 @@ def plan_job(
         hardware = _cpu_hardware(trainer.precision, nodes, devices_per_node, interconnect, nics_per_node)
     else:
         hardware = gpu_hardware(device, trainer.precision, nodes, devices_per_node, interconnect, nics_per_node)
-    profile = profile_model(trainer.model, trainer.data.image_size, trainer.data.num_classes or 1000)
+    profile = profile_model(trainer.model, trainer.data.train_crop, trainer.data.num_classes or 1000)
     rate = device_rate(hardware, profile, images_per_s)
     work = workload(
         profile, trainer.batch_size, trainer.strategy, trainer.grad_compression, rate, trainer.ddp_bucket_cap_mb

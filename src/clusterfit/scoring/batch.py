@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from clusterfit.data.folders import list_score_inputs
-from clusterfit.data.imagefolder import LabeledImages, collate_labeled, val_transform
+from clusterfit.data.imagefolder import LabeledImages, collate_labeled, preprocessing_transform
 from clusterfit.data.loaders import normalize_on_device
 from clusterfit.data.quality import InputTally, describe
 from clusterfit.data.shardreader import PackedImages
@@ -87,8 +87,7 @@ def score(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
     # NOTE: progress is counted in images (a training job's steps): `status` shows scored / total.
     sinks.write({"kind": RecordKind.START, "step": images_done_before, "total_steps": len(plan.files)})
 
-    pre = card.preprocessing
-    dataset = _images(cfg.input, plan.files, val_transform(pre.center_crop, pre.crop_fraction))
+    dataset = _images(cfg.input, plan.files, preprocessing_transform(card.preprocessing))
     # Batches never cross a chunk, so a chunk's rows are the same whichever run scores it.
     batches: list[list[int]] = []
     owners: list[int] = []  # the chunk of each batch
@@ -112,7 +111,7 @@ def score(spec: JobSpec, env: DistEnv) -> dict[str, Any] | None:
             for path, reason in bad:
                 rows[index_of[path]] = {BAD_COLUMN: reason}
             if images is not None:
-                pixels = normalize_on_device(images, device, False, pre.mean, pre.std)
+                pixels = normalize_on_device(images, device, False, card.preprocessing.mean, card.preprocessing.std)
                 probabilities, classes = model(pixels).softmax(dim=1).topk(top_k, dim=1)
                 for index, probs, best in zip(indices.tolist(), probabilities.tolist(), classes.tolist(), strict=True):
                     rows[index] = {"probabilities": probs, "classes": [classifier.classes[c] for c in best]}

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from clusterfit.errors import ClusterfitError
 from clusterfit.outputs.layout import model_onnx
-from clusterfit.outputs.model_card import read_model_card, write_model_card
+from clusterfit.outputs.model_card import Preprocessing, read_model_card, write_model_card
 
 DEFAULT_TOLERANCE = 1e-4  # on probabilities; fp32 kernels of two runtimes differ by ~1e-7 on small models
 _CHECK_IMAGES = 8
@@ -52,9 +52,10 @@ def export_onnx(model_dir: Path, images: Path | None = None, tolerance: float = 
 
     from clusterfit.scoring import load_classifier
 
-    classifier = load_classifier(model_dir)
-    model, size = classifier.model, classifier.image_size
-    inputs, what = _inputs(images, size)
+    model = load_classifier(model_dir).model
+    # NOTE: the graph's image side is fixed (only the batch is dynamic): the card's validation crop, what
+    # scorers and servers feed it.
+    inputs, what = _inputs(images, read_model_card(model_dir).preprocessing)
     path = model_onnx(model_dir)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     batch = torch.export.Dim("batch", min=1)
@@ -88,18 +89,18 @@ def export_onnx(model_dir: Path, images: Path | None = None, tolerance: float = 
     return check
 
 
-def _inputs(images: Path | None, size: int):  # noqa: ANN202 - a torch.Tensor, imported on demand
-    """Normalised NCHW float inputs: real images through the validation transform, else random ones."""
+def _inputs(images: Path | None, preprocessing: Preprocessing):  # noqa: ANN202 - a torch.Tensor, imported on demand
+    """Normalised NCHW float inputs: real images through the model card's validation transform, else random ones."""
     import torch
 
     from clusterfit.data.decode import BadImage
-    from clusterfit.data.transforms import CenterCrop
-    from clusterfit.outputs.model_card import IMAGENET_MEAN, IMAGENET_STD
+    from clusterfit.data.imagefolder import preprocessing_transform
 
     if images is None:
         generator = torch.Generator().manual_seed(0)
+        size = preprocessing.center_crop
         return torch.randn(_CHECK_IMAGES, 3, size, size, generator=generator), f"{_CHECK_IMAGES} random inputs"
-    crop = CenterCrop(size)
+    crop = preprocessing_transform(preprocessing)
     decoded = []
     for file in _image_files(images):
         with contextlib.suppress(BadImage):  # an unreadable file is no comparison; the next one is
@@ -109,7 +110,8 @@ def _inputs(images: Path | None, size: int):  # noqa: ANN202 - a torch.Tensor, i
     if not decoded:
         raise ExportError(f"--images {images}: no readable .jpg, .jpeg, .png or .webp file; pass a folder of images")
     pixels = torch.stack(decoded).float() / 255
-    mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+    mean = torch.tensor(preprocessing.mean).view(1, 3, 1, 1)
+    std = torch.tensor(preprocessing.std).view(1, 3, 1, 1)
     return (pixels - mean) / std, f"{len(decoded)} images from {images}"
 
 

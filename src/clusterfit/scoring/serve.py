@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse
 
 from clusterfit import __version__
 from clusterfit.data.decode import BadImage, open_image
-from clusterfit.data.imagefolder import val_transform
+from clusterfit.data.imagefolder import preprocessing_transform
 from clusterfit.outputs.layout import model_onnx
 from clusterfit.outputs.model_card import ModelCard, read_model_card
 from clusterfit.service.api import (
@@ -229,7 +229,7 @@ def preprocess(body: bytes, card: ModelCard, max_pixels: int) -> torch.Tensor:
             width, height = header.size
         if width * height > max_pixels:
             raise HTTPException(422, f"image of {width}x{height} pixels is over the limit of {max_pixels}")
-        return val_transform(card.image_size, card.preprocessing.crop_fraction)(body)
+        return preprocessing_transform(card.preprocessing)(body)
     except BadImage as exc:
         raise HTTPException(422, f"not a usable image: {exc}") from None
 

@@ -17,7 +17,13 @@ from pydantic import (
     model_validator,
 )
 
-from clusterfit.spec.model_names import MODEL_NAMES, has_residual_stages, image_size_problem, unknown_model
+from clusterfit.spec.model_names import (
+    MODEL_NAMES,
+    has_residual_stages,
+    image_size_problem,
+    input_size_is_fixed,
+    unknown_model,
+)
 
 __all__ = ["MODEL_NAMES"]  # re-exported: the bench commands check their --model flags against it
 
@@ -43,7 +49,28 @@ class DataSpec(_Strict):
     )
     cache_dir: str = Field("~/.cache/clusterfit/data", description="node-local folder for staged URLs")
     stage_workers: int = Field(8, ge=1, le=64, description="parallel transfers when staging")
-    image_size: int = Field(224, ge=16, le=1024)
+    image_size: int = Field(
+        224, ge=16, le=1024, description="the network's input side; the default of train_crop_size and val_crop_size"
+    )
+    train_crop_size: int | None = Field(
+        None,
+        ge=16,
+        le=1024,
+        description="side of the random training crop (torchvision's --train-crop-size); null = image_size",
+    )
+    val_resize_size: int | None = Field(
+        None,
+        ge=16,
+        le=2048,
+        description="validation resizes the shorter side to this, then takes the centre crop (torchvision's "
+        "--val-resize-size); null = the crop / 0.875, ImageNet's proportion (256 for 224)",
+    )
+    val_crop_size: int | None = Field(
+        None,
+        ge=16,
+        le=1024,
+        description="side of the validation centre crop (torchvision's --val-crop-size); null = image_size",
+    )
     num_classes: int | None = Field(None, ge=2)
     synthetic_images: int = Field(12_800, ge=1, description="images in one synthetic epoch")
     loader_workers: int | None = Field(None, ge=0, description="DataLoader processes per rank; null = auto")
@@ -65,9 +92,29 @@ class DataSpec(_Strict):
             raise ValueError("synthetic data needs num_classes (e.g. 1000)")
         return self
 
+    @model_validator(mode="after")
+    def _val_crop_fits_the_resize(self) -> DataSpec:
+        if self.val_resize_size is not None and self.val_crop > self.val_resize_size:
+            named = "val_crop_size" if self.val_crop_size is not None else "val_crop_size (null: image_size)"
+            raise ValueError(
+                f"val_resize_size = {self.val_resize_size} is smaller than {named} = {self.val_crop}: the centre "
+                f"crop must fit inside the resized image; give val_resize_size >= {self.val_crop} or a smaller crop"
+            )
+        return self
+
     @property
     def is_synthetic(self) -> bool:
         return self.train == SYNTHETIC
+
+    @property
+    def train_crop(self) -> int:
+        """The side of the training images: train_crop_size, else image_size."""
+        return self.train_crop_size or self.image_size
+
+    @property
+    def val_crop(self) -> int:
+        """The side of the validation images (and of what a scorer feeds the model): val_crop_size, else image_size."""
+        return self.val_crop_size or self.image_size
 
 
 class OptimizerSpec(_Strict):
@@ -152,12 +199,13 @@ class AugmentSpec(_Strict):
             raise ValueError(f"crop_scale = {list(self.crop_scale)}: the area share is at most 1")
         return self
 
-    def resolved(self, image_size: int) -> ResolvedAugment:
+    def resolved(self, train_crop: int) -> ResolvedAugment:
+        """Every field decided; `auto` by the side of the training crops."""
         preset = self.preset
         why = "as set"
         if preset == "auto":
-            preset = "small" if image_size <= SMALL_IMAGE_PX else "imagenet"
-            why = f"auto: image_size {image_size} {'<=' if preset == 'small' else '>'} {SMALL_IMAGE_PX}"
+            preset = "small" if train_crop <= SMALL_IMAGE_PX else "imagenet"
+            why = f"auto: train crop {train_crop} px {'<=' if preset == 'small' else '>'} {SMALL_IMAGE_PX}"
         small = preset == "small"
         return ResolvedAugment(
             preset=preset,
@@ -297,11 +345,23 @@ class TrainerSpec(_Strict):
             raise ValueError(problem)
         return name
 
+    def resolved_augment(self) -> ResolvedAugment:
+        """The training transform's settings, `auto` decided by the training crop's side."""
+        return self.augment.resolved(self.data.train_crop)
+
     @model_validator(mode="after")
     def _model_fits(self) -> TrainerSpec:
-        problem = image_size_problem(self.model, self.data.image_size)
-        if problem:
-            raise ValueError(f"data.image_size = {self.data.image_size}: {problem}")
+        data = self.data
+        for field in ("image_size", "train_crop_size", "val_crop_size"):
+            size = getattr(data, field)
+            problem = size is not None and image_size_problem(self.model, size)
+            if problem:
+                raise ValueError(f"data.{field} = {size}: {problem}")
+            if size is not None and size != data.image_size and input_size_is_fixed(self.model):
+                raise ValueError(
+                    f"data.{field} = {size}: {self.model} is built for data.image_size = {data.image_size} and "
+                    f"takes only that size; set {field} to {data.image_size} or null"
+                )
         if not has_residual_stages(self.model):
             if self.norm_layer == "group":
                 raise ValueError(

@@ -65,6 +65,11 @@ def image_size_problem(model: str, image_size: int) -> str | None:
     return None
 
 
+def input_size_is_fixed(model: str) -> bool:
+    """Vision transformers build their position embeddings for one image_size and take no other."""
+    return model.startswith("vit_")
+
+
 def has_residual_stages(model: str) -> bool:
     """ResNet-style models: `norm_layer: group`, the pipeline cut at layer1..layer4 and per-block FSDP apply."""
     return model in RESNET_FAMILY

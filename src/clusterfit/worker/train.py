@@ -19,7 +19,7 @@ from torch import nn
 from clusterfit import __version__
 from clusterfit.data.batch_mix import batch_mix
 from clusterfit.data.folders import inspect_data
-from clusterfit.data.loaders import build_train_data, build_val_loader, normalize_on_device
+from clusterfit.data.loaders import build_train_data, build_val_loader, normalize_on_device, val_preprocessing
 from clusterfit.data.quality import InputTally, describe
 from clusterfit.files import write_atomically
 from clusterfit.models import build_model, load_weights
@@ -27,7 +27,7 @@ from clusterfit.models.starting_weights import StartingWeights, backbone_paramet
 from clusterfit.monitoring.sinks import open_metric_sinks
 from clusterfit.outputs import JobOutputs, Phase, RecordKind, write_summary
 from clusterfit.outputs.confusion import confusion_facts, write_confusion_png
-from clusterfit.outputs.model_card import ModelCard, Preprocessing, spec_hash, write_model_card
+from clusterfit.outputs.model_card import ModelCard, spec_hash, write_model_card
 from clusterfit.spec.model import JobSpec
 from clusterfit.worker.checkpoint import CheckpointStore, capture_rng, restore_rng
 from clusterfit.worker.dist import DistEnv, all_reduce_sum, init_distributed, pick_device
@@ -142,7 +142,7 @@ class Trainer:
             "storage": spec.storage,
         }
         self.train_data = build_train_data(self.cfg, self.facts, **loader_args)
-        augment = self.cfg.augment.resolved(self.cfg.data.image_size)
+        augment = self.cfg.resolved_augment()
         if self.env.is_main and not self.cfg.data.is_synthetic:
             log.info("%s", augment.describe())
         self.mix = batch_mix(augment, len(self.facts.classes))
@@ -481,14 +481,14 @@ class Trainer:
             "job": self.spec.name,
             "global_step": self.progress.global_step,
         }
-        exported = export_model(model, self.out.model, metadata=metadata, image_size=cfg.data.image_size)
+        exported = export_model(model, self.out.model, metadata=metadata, image_size=cfg.data.val_crop)
         validated = [e for e in self.progress.history if any(key.startswith("val_") for key in e)]
         last_epoch = best or (validated[-1] if validated else {})
         card = ModelCard(
             model=cfg.model,
             classes=list(self.facts.classes),
-            image_size=cfg.data.image_size,
-            preprocessing=Preprocessing.for_size(cfg.data.image_size),
+            image_size=cfg.data.val_crop,
+            preprocessing=val_preprocessing(cfg.data),
             metrics={k: float(v) for k, v in last_epoch.items() if k.startswith("val_") and isinstance(v, int | float)},
             spec_sha256=spec_hash(self.spec.model_dump(mode="json")),
             clusterfit_version=__version__,
