@@ -83,16 +83,21 @@ def test_pack_refuses_a_used_destination(tmp_path: Path) -> None:
     assert (tmp_path / "dst" / "keep.txt").read_text() == "mine"
 
 
+def _handmade_shard(path: Path, members: dict[str, bytes]) -> Path:
+    """A shard written member by member, as no `clusterfit data pack` would write it."""
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            member = tarfile.TarInfo(name)
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    return path
+
+
 def test_shard_member_escaping_the_folder_is_refused_before_training(tmp_path: Path, packed40: Path) -> None:
     evil = tmp_path / "evil"
     evil.mkdir()
     index = json.loads((packed40 / INDEX).read_text())
-    shard = evil / "shard-000000.tar"
-    with tarfile.open(shard, "w") as tar:
-        for name, data in (("../../escape.cls", b"0"), ("../../escape.jpg", b"x")):
-            member = tarfile.TarInfo(name)
-            member.size = len(data)
-            tar.addfile(member, io.BytesIO(data))
+    shard = _handmade_shard(evil / "shard-000000.tar", {"../../escape.cls": b"0", "../../escape.jpg": b"x"})
     index["shards"] = [{"name": shard.name, "samples": 1, "bytes": shard.stat().st_size, "sha256": "-"}]
     (evil / INDEX).write_text(json.dumps(index))
     raw = tiny_job(tmp_path / "out", data={"train": str(evil), "image_size": 16, "num_classes": None})
@@ -105,12 +110,7 @@ def test_shard_member_escaping_the_folder_is_refused_before_training(tmp_path: P
 
 
 def test_a_class_that_is_not_an_index_is_one_line_naming_the_sample(tmp_path: Path) -> None:
-    shard = tmp_path / "shard-000000.tar"
-    with tarfile.open(shard, "w") as tar:
-        for name, data in (("a.cls", b"cat\n"), ("a.jpg", b"x")):
-            member = tarfile.TarInfo(name)
-            member.size = len(data)
-            tar.addfile(member, io.BytesIO(data))
+    shard = _handmade_shard(tmp_path / "shard-000000.tar", {"a.cls": b"cat\n", "a.jpg": b"x"})
     with pytest.raises(ShardError) as caught:
         list(iter_samples(shard))
     expected = "shard-000000.tar: sample 'a' has class 'cat' in its .cls member; expected a class index"
