@@ -141,7 +141,10 @@ def test_a_second_job_on_the_same_outputs_is_refused_and_the_first_keeps_running
     assert _ended(first) == "CANCELLED"
     # The lock went with the first job's supervisor: the folder is free again.
     third = _submit_command(tmp_path, "tiny", waits)
-    wait_for(lambda: _state(third) == "RUNNING", 180, "RUNNING after the first job ended")
+    settled = wait_for(
+        lambda: _state(third) not in ("QUEUED", "STAGING") and _state(third), 180, "the next job to start"
+    )
+    assert settled == "RUNNING", _status(third)
     assert run_cli("cancel", third).returncode == 0
 
 

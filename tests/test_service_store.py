@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,6 +33,33 @@ def test_migrations_create_the_schema_once_and_reopening_keeps_the_jobs(store_ur
     job_id = _add(store)
     reopened = open_store(store_url)
     assert reopened.get(job_id).state == "QUEUED"
+
+
+def test_a_store_opened_again_in_the_same_process_still_sees_other_processes_writes(tmp_path) -> None:
+    """Opening the store again (as a poll loop or a second command in one process does) must not disturb the
+    connections already open: another process's transitions stay visible to them."""
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    held = open_store(url)
+    job_id = _add(held)
+    assert held.get(job_id).state == "QUEUED"  # the held store now has a connection open on the file
+    for state in ("STAGING", "RUNNING", "SUCCEEDED"):
+        open_store(url)  # e.g. the next poll of `clusterfit status`
+        moved = subprocess.run(
+            [sys.executable, "-c", _TRANSITION, url, job_id, state], capture_output=True, text=True, timeout=60
+        )
+        assert moved.returncode == 0, moved.stderr
+        assert held.get(job_id).state == state
+
+
+_TRANSITION = """
+import sys
+from clusterfit.service.migrate import open_store
+from clusterfit.service.states import JobState
+url, job_id, state = sys.argv[1:]
+store = open_store(url)
+store.transition(job_id, JobState(state), "by another process")
+store.engine.dispose()  # the last connection closes, as when a supervisor or a CLI command exits
+"""
 
 
 def test_queue_order_is_priority_then_submission(store_url: str) -> None:

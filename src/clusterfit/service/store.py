@@ -10,7 +10,7 @@ import json
 import os
 import secrets
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -155,7 +155,11 @@ def _private_sqlite_file(url: str) -> None:
     path = make_url(url).database
     if not path or path == ":memory:":
         return
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    # NOTE: never open an existing database file here. Closing any descriptor of it drops every POSIX lock this
+    # process holds on it, SQLite's included: another process then resets the WAL under this process's open
+    # connections, which go on reading an old snapshot (a job seen STAGING for minutes after it ran).
+    with suppress(FileExistsError):
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
     if os.stat(path).st_mode & 0o077:
         os.chmod(path, 0o600)
 
