@@ -27,6 +27,7 @@ from conftest import cli_command, exported_test_model, run_cli, wait_for
 from PIL import Image
 
 from clusterfit.data.imagefolder import val_transform
+from clusterfit.errors import SpecError
 from clusterfit.scoring import load_classifier
 
 CLASSES = ["cat", "dog", "fox"]
@@ -166,10 +167,32 @@ def test_unsafe_settings_are_refused(model_dir: Path) -> None:
     assert neither.returncode != 0 and "give --key-file" in neither.stderr
     missing = run_cli("serve", str(model_dir.parent / "nope"), "--no-auth")
     assert missing.returncode != 0 and "no model_card.json" in missing.stderr
+    bounds = run_cli("serve", str(model_dir), "--no-auth", "--backend", "ray", "--replicas", "3:1")
+    assert bounds.returncode != 0 and bounds.stderr.strip().splitlines() == [
+        "error: --replicas 3:1: give a count (2) or bounds MIN:MAX (1:4), MIN at least 1"
+    ]
     no_onnx = run_cli("serve", str(model_dir), "--no-auth", "--runtime", "onnx")
     assert no_onnx.returncode != 0 and no_onnx.stderr.strip().endswith(
         "run `clusterfit export " + str(model_dir) + "` first"
     )
+
+
+def test_ray_serve_replicas_are_a_count_or_autoscaling_bounds() -> None:
+    from ray import serve
+
+    from clusterfit.scoring.ray_serve import ReplicaCount
+
+    fixed = serve.deployment(lambda: None).options(**ReplicaCount.parse("3").deployment_options(max_batch=32))
+    assert fixed.num_replicas == 3 and fixed.max_ongoing_requests == 64  # Ray Serve's default, 5, caps a batch at 5
+    bounds = ReplicaCount.parse("1:4")
+    assert str(bounds) == "1-4 (autoscaled)"
+    options = bounds.deployment_options(max_batch=8)
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8}
+    autoscaled = serve.deployment(lambda: None).options(**options)  # Ray Serve validates the bounds' names
+    assert autoscaled.max_ongoing_requests == 16
+    for text in ("0", "2:1", "two", "1:"):
+        with pytest.raises(SpecError, match=f"^--replicas {text}: give a count \\(2\\) or bounds MIN:MAX"):
+            ReplicaCount.parse(text)
 
 
 def test_onnx_runtime_answers_as_torch_does(model_dir: Path, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from rich.table import Table
 from clusterfit.bench.cli import bench_app
 from clusterfit.console import console, errors
 from clusterfit.console import fail as _fail
-from clusterfit.errors import ClusterfitError
+from clusterfit.errors import ClusterfitError, SpecError
 from clusterfit.outputs import JobOutputs
 from clusterfit.service.jobs import JobService, ServiceError
 from clusterfit.spec import JobSpec, load_spec
@@ -529,7 +529,9 @@ def serve_model(
     backend: Annotated[
         str, typer.Option(help="local (this process) | ray (a Ray Serve app on RAY_ADDRESS).")
     ] = "local",
-    replicas: Annotated[int, typer.Option(min=1, help="--backend ray: copies of the model.")] = 2,
+    replicas: Annotated[
+        str, typer.Option(help="--backend ray: copies of the model, or MIN:MAX to autoscale between them.")
+    ] = "2",
     cpus_per_replica: Annotated[float, typer.Option(min=0, help="--backend ray: CPUs each replica reserves.")] = 1.0,
 ) -> None:
     """Serve an exported model over HTTP: POST /predict with an image's bytes (or a JSON batch) returns the top
@@ -574,18 +576,24 @@ def serve_model(
         keys=keys, max_batch=max_batch, max_wait_ms=max_wait_ms, top_k=top_k, max_body_bytes=max_body_bytes
     )
     if backend == "ray":
-        from clusterfit.scoring.ray_serve import deploy
+        from clusterfit.scoring.ray_serve import ReplicaCount, deploy
 
+        try:
+            replica_count = ReplicaCount.parse(replicas)
+        except SpecError as exc:
+            raise _fail(str(exc)) from None
         url = deploy(
             model_dir,
             settings,
             runtime=runtime,
-            replicas=replicas,
+            replicas=replica_count,
             cpus_per_replica=cpus_per_replica,
             host=host,
             port=port or 8000,
         )
-        say(f"clusterfit serve on Ray Serve: {replicas} replica(s) at {url} (POST /predict); serve-stop removes it")
+        say(
+            f"clusterfit serve on Ray Serve: {replica_count} replica(s) at {url} (POST /predict); serve-stop removes it"
+        )
         return
     try:
         sock = bind(host, port)

@@ -1,5 +1,6 @@
 """`clusterfit serve MODEL_DIR --backend ray`: the same endpoint as a Ray Serve application on a Ray cluster,
-`--replicas` copies of the model behind Ray Serve's HTTP proxy, batched by Ray Serve's own `@serve.batch`.
+`--replicas` copies of the model (or MIN:MAX, autoscaled) behind Ray Serve's HTTP proxy, batched by Ray Serve's
+own `@serve.batch`.
 
 Each replica loads the model folder itself, so the folder must be at the same path on every node (as a job's
 outputs are). Requests are checked as the embedded server checks them (key, content type, declared size, a
@@ -9,14 +10,56 @@ refuses the rest."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastapi import HTTPException
 
-from clusterfit.scoring.serve import ServeSettings, check_key, image_bodies, load_predictor, preprocess, top_k_answer
+from clusterfit.errors import SpecError
+from clusterfit.scoring.serve import (
+    BatchStats,
+    ServeSettings,
+    check_key,
+    image_bodies,
+    load_predictor,
+    preprocess,
+    top_k_answer,
+)
 
 APP_NAME = "clusterfit"
+
+
+@dataclass(frozen=True)
+class ReplicaCount:
+    """`--replicas N` (fixed) or `MIN:MAX` (Ray Serve's autoscaler adds replicas while requests queue)."""
+
+    minimum: int
+    maximum: int
+
+    @classmethod
+    def parse(cls, text: str) -> ReplicaCount:
+        low, bounded, high = text.partition(":")
+        try:
+            minimum, maximum = int(low), int(high if bounded else low)
+        except ValueError:
+            minimum = maximum = 0
+        if minimum < 1 or maximum < minimum:
+            raise SpecError(f"--replicas {text}: give a count (2) or bounds MIN:MAX (1:4), MIN at least 1")
+        return cls(minimum, maximum)
+
+    def deployment_options(self, max_batch: int) -> dict[str, Any]:
+        # NOTE: Ray Serve sends a replica at most max_ongoing_requests at once (5 by default), which would cap
+        # every batch at 5: a replica takes two batches' worth, one filling while the other runs.
+        options: dict[str, Any] = {"max_ongoing_requests": 2 * max_batch}
+        if self.minimum == self.maximum:
+            return {**options, "num_replicas": self.minimum}
+        # A replica is busy enough once a full batch waits for it: scale out beyond that.
+        bounds = {"min_replicas": self.minimum, "max_replicas": self.maximum, "target_ongoing_requests": max_batch}
+        return {**options, "autoscaling_config": bounds}
+
+    def __str__(self) -> str:
+        return str(self.minimum) if self.minimum == self.maximum else f"{self.minimum}-{self.maximum} (autoscaled)"
 
 
 def model_deployment(settings: ServeSettings) -> Any:
@@ -35,9 +78,13 @@ def model_deployment(settings: ServeSettings) -> Any:
             self.card = read_model_card(Path(model_dir))
             self.predictor = load_predictor(Path(model_dir), runtime)
             self.top_k = min(settings.top_k, len(self.card.classes))
+            self.stats = BatchStats()  # this replica's own: /stats answers from whichever replica gets it
+            self.replica = serve.get_replica_context().replica_id.unique_id
 
         @serve.batch(max_batch_size=settings.max_batch, batch_wait_timeout_s=settings.max_wait_ms / 1000)
         async def score(self, images: list[torch.Tensor]) -> list[np.ndarray]:
+            self.stats.images += len(images)
+            self.stats.batch_sizes[len(images)] += 1
             return list(await asyncio.to_thread(self.predictor, torch.stack(images)))
 
         async def __call__(self, request: Request) -> JSONResponse:
@@ -54,8 +101,11 @@ def model_deployment(settings: ServeSettings) -> Any:
                 raise HTTPException(401, "unknown key")
             if path.endswith("/metadata"):
                 return {"model": self.card.model, "classes": self.card.classes, "runtime": self.predictor.runtime}
+            if path.endswith("/stats"):
+                return {**self.stats.to_dict(), "replica": self.replica}
             if request.method != "POST" or not path.endswith("/predict"):
-                raise HTTPException(404, "POST /predict, GET /metadata or GET /health")
+                raise HTTPException(404, "POST /predict, GET /metadata, GET /stats or GET /health")
+            self.stats.requests += 1
             body = await _bounded_body(request, settings.max_body_bytes)
             bodies, single = image_bodies(request.headers.get("content-type", ""), body)
             images = [await asyncio.to_thread(preprocess, one, self.card, settings.max_pixels) for one in bodies]
@@ -84,7 +134,7 @@ def deploy(
     settings: ServeSettings,
     *,
     runtime: str,
-    replicas: int,
+    replicas: ReplicaCount,
     cpus_per_replica: float,
     host: str,
     port: int,
@@ -97,7 +147,7 @@ def deploy(
     ray.init(address="auto", log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
     replica = model_deployment(settings).options(
-        num_replicas=replicas, ray_actor_options={"num_cpus": cpus_per_replica}
+        **replicas.deployment_options(settings.max_batch), ray_actor_options={"num_cpus": cpus_per_replica}
     )
     serve.run(replica.bind(str(model_dir.resolve()), runtime), name=APP_NAME, route_prefix="/")
     return f"http://{host}:{port}"
