@@ -42,38 +42,6 @@ def test_staging_benchmark_script_against_azurite() -> None:
     assert "| 3 files of 4 KB | 3 |" in result.stdout and "| 1 file of 0.0 MB | 1 |" in result.stdout
 
 
-def test_bench_train_compares_clusterfit_with_the_hand_written_loop(tmp_path) -> None:
-    # One core per rank: the cell of 1 rank runs on 1 of the machine's cores, so every system gets 1 thread.
-    result = run_cli(
-        "bench", "train", "--models", "resnet_tiny", "--workers", "1", "--image-size", "32", "--batch", "2",
-        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--no-ray", "--cores-per-rank", "1",
-        "--rounds", "1", "--out", str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    report = json.loads((tmp_path / "train.json").read_text())
-    assert report["config"]["cores_per_rank"] == 1
-    assert all(cell["threads_per_rank"] == 1 for cell in report["cells"])
-    assert set(report) == {"config", "machine", "precision", "cells", "ratios", "orders"}
-    # One round here (each run costs seconds of start-up); the rotation of more rounds is tested on its own.
-    assert report["orders"] == {"resnet_tiny/1": [["compute only", "hand-written DDP", "clusterfit"]]}
-    assert {"cpu", "cores", "torch"} <= set(report["machine"]) and report["precision"] == "fp32"
-    cells = {(c["system"], c["workers"]): c for c in report["cells"]}
-    assert set(cells) == {("hand-written DDP", 1), ("clusterfit", 1)}
-    for cell in cells.values():
-        assert [len(run) for run in cell["step_images_per_s"]] == [3] and len(cell["round_images_per_s"]) == 1
-        assert cell["images_per_s"] == cell["round_images_per_s"][0]
-        assert cell["scaling_efficiency"] == 1.0 and cell["threads_per_rank"] >= 1
-    assert [(r["model"], r["workers"]) for r in report["ratios"]] == [("resnet_tiny", 1)]
-    assert set(report["ratios"][0]) == {"model", "workers", "clusterfit_over_hand_written_ddp"}
-    assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| resnet_tiny | 1 |" in result.stdout and "clusterfit ÷ hand-written" in result.stdout
-    for cell in cells.values():
-        split = cell["split"]
-        assert split["step_s"] > 0 and split["compute_s"] > 0 and split["data_wait_s"] >= 0
-        assert split["communication_s"] == pytest.approx(split["step_s"] - split["compute_s"] - split["data_wait_s"])
-    assert "| resnet_tiny | 1 | clusterfit |" in result.stdout
-
-
 def test_the_baselines_ship_inside_the_package_and_run_from_anywhere(tmp_path, monkeypatch) -> None:
     import ast
     import importlib.util

@@ -10,7 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -420,23 +422,41 @@ def test_a_session_script_reports_checkpoints_and_resumes_on_two_ray_nodes(
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
 
 
-# --- the benchmark's Ray Train baseline --------------------------------------------------------------------
+# --- `clusterfit bench train` end to end, with its Ray Train baseline ---------------------------------------
 # NOTE: on the tests' Ray cluster (a worker per node, one CPU each), not the fresh local Ray instance a real
-# measurement starts: that takes a minute on 2 busy cores and starts the same TorchTrainer code path.
-def test_bench_train_runs_the_loop_under_ray_train_too(tmp_path, ray_cluster) -> None:
+# measurement starts: that takes a minute on 2 busy cores and starts the same TorchTrainer code path. The other
+# systems run here too, so this one run covers the whole command (the report's pure parts: tests/test_bench.py).
+def test_bench_train_compares_clusterfit_with_the_hand_written_loop_and_ray_train(tmp_path, ray_cluster) -> None:
+    # One core per rank: each of the 2 ranks runs on its own core, so every system gets 1 thread.
     result = run_cli(
         "bench", "train", "--models", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",
-        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path),
+        "--steps", "3", "--warmup", "1", "--precision", "fp32", "--out", str(tmp_path), "--cores-per-rank", "1",
         "--rounds", "1", "--ray-address", ray_cluster.address, env=ray_cluster.client_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())
-    ray = next(c for c in report["cells"] if c["system"] == "Ray Train")
-    assert (
-        ray["workers"] == 2 and ray["threads_per_rank"] >= 1 and [len(run) for run in ray["step_images_per_s"]] == [3]
-    )
-    assert report["ratios"][0]["clusterfit_over_ray_train"] > 0
-    assert "clusterfit ÷ Ray Train" in result.stdout and "| resnet_tiny | 2 | Ray Train |" in result.stdout
+    assert set(report) == {"config", "machine", "precision", "cells", "ratios", "orders"}
+    assert report["config"]["cores_per_rank"] == 1
+    # One round here (each run costs seconds of start-up); the rotation of more rounds is tested on its own.
+    assert report["orders"] == {"resnet_tiny/2": [["compute only", "hand-written DDP", "Ray Train", "clusterfit"]]}
+    assert {"cpu", "cores", "torch"} <= set(report["machine"]) and report["precision"] == "fp32"
+    cells = {c["system"]: c for c in report["cells"]}
+    assert set(cells) == {"hand-written DDP", "clusterfit", "Ray Train"}
+    for cell in cells.values():
+        assert cell["workers"] == 2 and cell["threads_per_rank"] == 1
+        assert [len(run) for run in cell["step_images_per_s"]] == [3] and len(cell["round_images_per_s"]) == 1
+        assert cell["images_per_s"] == cell["round_images_per_s"][0] > 0
+        assert cell["scaling_efficiency"] is None  # no 1-rank cell to compare with
+        split = cell["split"]
+        assert split["step_s"] > 0 and split["compute_s"] > 0 and split["data_wait_s"] >= 0
+        assert split["communication_s"] == pytest.approx(split["step_s"] - split["compute_s"] - split["data_wait_s"])
+    [ratios] = report["ratios"]
+    assert set(ratios) == {"model", "workers", "clusterfit_over_hand_written_ddp", "clusterfit_over_ray_train"}
+    assert (ratios["model"], ratios["workers"]) == ("resnet_tiny", 2) and ratios["clusterfit_over_ray_train"] > 0
+    assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "clusterfit ÷ hand-written" in result.stdout and "clusterfit ÷ Ray Train" in result.stdout
+    for system in cells:
+        assert f"| resnet_tiny | 2 | {system} |" in result.stdout, result.stdout
 
 
 def _replica_pids() -> list[int]:
@@ -448,9 +468,14 @@ def _replica_pids() -> list[int]:
     ]
 
 
+def _predict(http: Any, image: bytes) -> Any:
+    return http.post("/predict", content=image, headers={"Content-Type": "image/jpeg"})
+
+
 def test_ray_serve_replicas_answer_and_outlive_a_killed_one(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    """The model as a Ray Serve app of 2 replicas on the two nodes: answers equal the model's; SIGKILL one
-    replica's process and requests keep being answered, by the other replica and then by its replacement."""
+    """The model as a Ray Serve app autoscaled from 2 replicas (one per node): answers equal the model's, a burst
+    shares batches; SIGKILL one replica's process and requests keep being answered, by the other replica and then
+    by its replacement."""
     import httpx
     import torch
     from conftest import exported_test_model
@@ -467,15 +492,18 @@ def test_ray_serve_replicas_answer_and_outlive_a_killed_one(ray_cluster: RayClus
         "--backend",
         "ray",
         "--replicas",
-        "2",
+        "2:3",  # autoscaled from 2 (both nodes) up to 3
         "--cpus-per-replica",
         "0.25",
+        "--max-wait-ms",
+        "100",  # a burst's requests reach a replica within this window on these busy cores
         "--no-auth",
         "--port",
         str(port),
         env=ray_cluster.client_env(),
     )
     assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+    assert "2-3 (autoscaled) replica(s) at " in deployed.stdout, deployed.stdout
     try:
         images = [_jpeg(300 + n, (40, 40)) for n in range(4)]
         expected = load_classifier(model).predict(torch.stack([val_transform(32)(image) for image in images]))
@@ -486,6 +514,13 @@ def test_ray_serve_replicas_answer_and_outlive_a_killed_one(ray_cluster: RayClus
                 assert answer.json()["top_k"][0]["class"] == CLASSES[int(probabilities.argmax())]
             refused = http.post("/predict", content=b"x", headers={"Content-Type": "text/plain"})
             assert refused.status_code == 415 and "send image/jpeg" in refused.json()["detail"]
+            # A burst shares batches past Ray Serve's default of 5 requests in flight per replica.
+            with ThreadPoolExecutor(64) as pool:
+                burst = list(pool.map(lambda image: _predict(http, image), images * 16))
+            assert all(answer.status_code == 200 for answer in burst)
+            stats = http.get("/stats").json()  # one replica's (the proxy prefers its own node's)
+            assert stats["replica"] and stats["requests"] >= 16, stats
+            assert max(int(size) for size in stats["batch_sizes"]) > 5, stats
 
             pids = _replica_pids()
             assert len(pids) == 2
