@@ -170,6 +170,14 @@ def one_image_per_class(root: Path, count: int, size: tuple[int, int] = (60, 40)
 
 
 @pytest.fixture(scope="module")
+def scoring_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(an exported model folder, its ImageNet-layout folder of 21 JPEGs and one corrupt file), per module."""
+    from test_scoring import make_scoring_case
+
+    return make_scoring_case(tmp_path_factory.mktemp("scoring"))
+
+
+@pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
     """A real two-node Ray cluster on 127.0.0.1 with token authentication, shared by the tests of a module (all
     in tests/test_ray.py): stopped after them, since its idle daemons take about a tenth of a core."""

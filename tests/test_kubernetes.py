@@ -220,3 +220,31 @@ def test_an_api_server_that_does_not_answer_is_unavailable_and_retried_after_a_p
     assert f"{unreachable}. attempt 1 of 2 failed; retrying from the last checkpoint in 5 s" in result.stdout
     first, *rest = result.stderr.strip().splitlines()
     assert first.endswith("failed: the engine or data store was unavailable") and rest == [f"error: {unreachable}"]
+
+
+def test_a_scoring_job_renders_as_a_pytorchjob_whose_ranks_read_the_model_and_images_from_the_data_claim() -> None:
+    """`clusterfit score`'s job on Kubernetes: the same worker entry as training (the spec's scorer: section decides),
+    the model and images on the read-only data claim, predictions into the outputs volume."""
+    raw = {
+        "name": "score",
+        "scorer": {"model_dir": "/data/models/resnet18", "input": "/data/imagenet/val", "batch_size": 64},
+        "distribution": {"type": "pytorch", "process_count_per_instance": 2},
+        "resources": {
+            "instance_count": 2,
+            "backend": "kubernetes",
+            "kubernetes": {"image": "registry.example.com/clusterfit:cpu", "data_claim": "imagenet", "cpu": "8"},
+        },
+        "outputs": {"dir": "runs/score"},
+    }
+    config_map, job = render_manifests(validate_spec(raw))
+    assert list(_crd_validator().iter_errors(job)) == []
+    pod_spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert _model_errors(pod_spec, "V1PodSpec") == []
+    container = pod_spec["containers"][0]
+    assert container["command"][-4:] == ["-m", "clusterfit.worker", "--spec", "/etc/clusterfit/job.yaml"]
+    assert "--nnodes=2" in container["command"] and "--nproc-per-node=2" in container["command"]
+    mounts = {mount["name"]: mount for mount in container["volumeMounts"]}
+    assert mounts["data"]["mountPath"] == "/data" and mounts["data"]["readOnly"] is True
+    assert mounts["outputs"]["mountPath"] == "/workspace/runs/score"
+    scorer = yaml.safe_load(config_map["data"]["job.yaml"])["scorer"]
+    assert (scorer["model_dir"], scorer["input"]) == ("/data/models/resnet18", "/data/imagenet/val")

@@ -20,6 +20,7 @@ from azurite import free_port
 from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 from raycluster import RayCluster
 from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job, framework_code, user_code
+from test_scoring import assert_every_good_image_scored_once, scoring_job
 from test_session import session_job
 
 from clusterfit.backends.ray import AgentState, job_exit_code
@@ -377,6 +378,19 @@ def test_a_command_job_gets_its_environment_on_two_ray_nodes(
         assert_one_tensorflow_cluster_learned(out, workers=2)
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
     assert not _job_processes(out)
+
+
+def test_a_scoring_job_scores_every_image_once_across_two_ray_nodes(
+    ray_cluster: RayCluster, scoring_case: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`clusterfit score`'s job on Ray: one rank per node, each scoring its own chunks."""
+    model, images = scoring_case
+    out = tmp_path / "scored"
+    job = scoring_job(model, images, out, backend="ray", instances=2, per_instance=1)
+    stdout = _run_to_success(ray_cluster, write_job(tmp_path / "score.yaml", job))
+    assert "scored 21 of 22 images on 2 rank(s)" in stdout, stdout[-3000:]
+    assert_every_good_image_scored_once(out, model, images)
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
 
 
 def test_a_gpu_job_gets_a_gpu_bundle_on_each_ray_node(ray_cluster: RayCluster, tmp_path: Path) -> None:

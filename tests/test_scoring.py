@@ -73,12 +73,11 @@ def _make_model(model_dir: Path, images: Path) -> Path:
     return model_dir
 
 
-@pytest.fixture(scope="module")
-def scoring_case(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(model folder, ImageNet-layout folder of 21 JPEGs of 40 px and one corrupt .jpg)."""
+def make_scoring_case(root: Path) -> tuple[Path, Path]:
+    """(model folder, ImageNet-layout folder of 21 JPEGs of 40 px and one corrupt .jpg); the `scoring_case`
+    fixture of every module that scores (conftest.py)."""
     from make_tiny_imagefolder import make_tiny_imagefolder
 
-    root = tmp_path_factory.mktemp("scoring")
     images = make_tiny_imagefolder(root / "data", classes=3, train_per_class=0, val_per_class=PER_CLASS, size=40)
     (images / "val" / "class_1" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0" + b"\x00" * 64)
     return _make_model(root / "model", images / "val"), images / "val"
@@ -127,15 +126,20 @@ def _chunk_rows(out: Path) -> dict[Path, list[str]]:
     return {path: pq.read_table(path)["file"].to_pylist() for path in finished_chunks(JobOutputs.at(out)).values()}
 
 
-def test_two_ranks_score_every_good_image_once_with_the_models_own_top1(
-    scoring_case: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """Every good image exactly once, in file order, the corrupt one counted; top-1 (and every top-k class and
-    probability) as the model gives them on the same images loaded directly; each rank wrote its own chunks."""
-    model, images = scoring_case
-    out = tmp_path / "out"
-    result = _score_ok(_score(model, images, out, "--csv"))
-    assert "scored 21 of 22 images on 2 rank(s)" in result.stdout and "skipped 1 unreadable" in result.stdout
+def scoring_job(model: Path, images: Path, out: Path, *, backend: str, instances: int, per_instance: int) -> dict:
+    """The job `clusterfit score --chunk-images 3 --batch-size 3` writes, on any engine and layout of ranks."""
+    return {
+        "name": "score",
+        "scorer": {"model_dir": str(model), "input": str(images), "batch_size": 3, "chunk_images": CHUNK},
+        "distribution": {"type": "pytorch", "process_count_per_instance": per_instance},
+        "resources": {"instance_count": instances, "backend": backend},
+        "outputs": {"dir": str(out)},
+    }
+
+
+def assert_every_good_image_scored_once(out: Path, model: Path, images: Path) -> pa.Table:
+    """By 2 ranks, each image once (the corrupt one counted), in file order, with every top-k class and
+    probability the model gives on the same images loaded directly; each rank wrote its own chunks."""
     table = pq.read_table(out / "predictions.parquet")
     expected = sorted(f"{p.parent.name}/{p.name}" for p in images.rglob("*.jpg") if p.name != "broken.jpg")
     assert len(expected) == GOOD
@@ -154,17 +158,28 @@ def test_two_ranks_score_every_good_image_once_with_the_models_own_top1(
     assert summary["inputs"]["files"] == [{"file": "class_1/broken.jpg", "reason": "corrupt or truncated", "count": 1}]
     assert summary["images_per_s"] > 0
     assert summary["top1_vs_folder_labels"] == 1.0  # the nearest-centroid model knows these folders
-    assert pa_csv.read_csv(out / "predictions.csv").num_rows == GOOD
     chunks = _chunk_rows(out)
     assert len(chunks) == 8
     assert all(int(path.parent.name.split("-")[1]) == int(path.stem.split("-")[1]) % 2 for path in chunks)
     assert sorted(file for files in chunks.values() for file in files) == sorted([*expected, "class_1/broken.jpg"])
+    beats = {path.name: json.loads(path.read_text()) for path in (out / "heartbeats").glob("rank-*.json")}
+    assert sorted(beats) == ["rank-0.json", "rank-1.json"] and {b["phase"] for b in beats.values()} == {"done"}
+    return table
+
+
+def test_two_ranks_score_every_good_image_once_with_the_models_own_top1(
+    scoring_case: tuple[Path, Path], tmp_path: Path
+) -> None:
+    model, images = scoring_case
+    out = tmp_path / "out"
+    result = _score_ok(_score(model, images, out, "--csv"))
+    assert "scored 21 of 22 images on 2 rank(s)" in result.stdout and "skipped 1 unreadable" in result.stdout
+    assert_every_good_image_scored_once(out, model, images)
+    assert pa_csv.read_csv(out / "predictions.csv").num_rows == GOOD
     # Progress went to the records a training job writes, which the progress bar and `status` read.
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["kind"] == "start" and records[0]["total_steps"] == GOOD + 1
     assert records[-1]["kind"] == "end" and records[-1]["step"] == GOOD + 1
-    beats = {path.name: json.loads(path.read_text()) for path in (out / "heartbeats").glob("rank-*.json")}
-    assert sorted(beats) == ["rank-0.json", "rank-1.json"] and {b["phase"] for b in beats.values()} == {"done"}
 
 
 def test_killed_run_finishes_on_rerun_without_scoring_anything_twice(

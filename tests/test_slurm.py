@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, cli_command, exported_weights, run_cli, tiny_job, wait_for, write_job
 from slurm_cluster import SlurmCluster, missing_reason
 from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job, framework_code, rank_logs
+from test_scoring import assert_every_good_image_scored_once, scoring_job
 from test_session import final_values, session_job
 
 from clusterfit.backends.slurm import SCRIPT, sbatch_script
@@ -85,6 +86,20 @@ def test_example_job_runs_to_completion_on_slurm(slurm: SlurmCluster, tmp_path: 
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[rank1] " in result.stdout and "exported" in result.stdout  # both ranks' logs streamed
     assert exported_weights(out)
+    assert "#SBATCH --nodes=1" in (out / "slurm" / "job.sbatch").read_text()
+
+
+def test_a_scoring_job_scores_every_image_once_under_sbatch(
+    slurm: SlurmCluster, scoring_case: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`clusterfit score`'s job under sbatch: 2 ranks on the node, each scoring its own chunks."""
+    model, images = scoring_case
+    out = tmp_path / "scored"
+    job = scoring_job(model, images, out, backend="slurm", instances=1, per_instance=2)
+    result = run_cli("run", str(write_job(tmp_path / "score.yaml", job)), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "scored 21 of 22 images on 2 rank(s)" in result.stdout, result.stdout[-3000:]
+    assert_every_good_image_scored_once(out, model, images)
     assert "#SBATCH --nodes=1" in (out / "slurm" / "job.sbatch").read_text()
 
 
