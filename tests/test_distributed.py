@@ -286,7 +286,8 @@ def _check_model_card_and_onnx_export(out: Path, images: Path, summary: dict) ->
     assert card["classes"] == ["class_0", "class_1", "class_2"] and card["model"] == "resnet_tiny"
     assert card["preprocessing"] == {
         "resize_shorter_side": 40, "center_crop": 32, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225],
-        "channel_order": "RGB", "layout": "NCHW", "scale": 1 / 255, "crop_fraction": 0.8,
+        "channel_order": "RGB", "layout": "NCHW", "scale": 1 / 255, "crop_fraction": 0.8, "interpolation": "bilinear",
+        "antialias": True,
     }  # fmt: skip
     assert card["image_size"] == 32
     assert card["metrics"]["val_top1"] == summary["epochs"][-1]["val_top1"]

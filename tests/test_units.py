@@ -289,3 +289,43 @@ def test_status_shows_an_elastic_jobs_nodes_and_each_change() -> None:
     assert "nodes: 1 now, 1:2 allowed (elastic)" in lines
     assert any(line.endswith("  2 -> 1 node(s) (world size 1) at step 40") for line in lines)
     assert not any(line.startswith("nodes:") for line in status_lines({**status, "nodes": None}))
+
+
+def test_the_model_card_states_the_resampling_a_scorer_must_use(tmp_path: Path) -> None:
+    """The card says bilinear with antialiasing: torchvision's `resized_crop(..., BILINEAR, antialias=True)` on the
+    card's centre square gives the scorer's pixels (0.1 levels of 255 apart on average; 9 without antialiasing).
+    A card written before these fields reads with them."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+    from torchvision.transforms.v2 import InterpolationMode
+    from torchvision.transforms.v2 import functional as F
+
+    from clusterfit.data.transforms import CenterCrop
+    from clusterfit.outputs.model_card import ModelCard, Preprocessing, read_model_card, write_model_card
+
+    rows, columns = np.mgrid[0:160, 0:200]
+    noise = np.random.default_rng(0).normal(0, 20, (160, 200, 3))
+    pixels = np.stack([columns * 1.2 % 256, rows * 1.5 % 256, (columns + rows) * 0.7 % 256], -1) + noise
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(tmp_path / "photo.png")  # PNG: no JPEG draft
+    card = Preprocessing.for_size(32)
+    assert (card.interpolation, card.antialias) == ("bilinear", True)
+    scored = CenterCrop(card.center_crop, card.crop_fraction)(str(tmp_path / "photo.png")).float()
+    side = round(160 * card.crop_fraction)  # 140: the box falls on whole pixels
+    image = torch.from_numpy(np.array(Image.open(tmp_path / "photo.png"))).permute(2, 0, 1)
+    for antialias, (mean_below, mean_above) in ((True, (0.0, 0.5)), (False, (5.0, 255.0))):
+        theirs = F.resized_crop(
+            image, 10, 30, side, side, [32, 32], interpolation=InterpolationMode.BILINEAR, antialias=antialias
+        ).float()
+        assert mean_below <= (scored - theirs).abs().mean() < mean_above, antialias
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    write_model_card(folder, ModelCard("resnet_tiny", ["a"], 32, card, {}, "0" * 64, "0", "job"))
+    written = json.loads((folder / "model_card.json").read_text())
+    assert (written["preprocessing"]["interpolation"], written["preprocessing"]["antialias"]) == ("bilinear", True)
+    for field in ("interpolation", "antialias"):
+        del written["preprocessing"][field]
+    (folder / "model_card.json").write_text(json.dumps(written))
+    assert read_model_card(folder).preprocessing == card

@@ -33,6 +33,10 @@ class Preprocessing:
     layout: str = "NCHW"
     scale: float = 1 / 255
     crop_fraction: float = VAL_CROP_FRACTION  # the centre square's side over the shorter side, then resized
+    # Pillow's bilinear resize, which widens its filter when it shrinks (torchvision's antialias=True). A JPEG
+    # much larger than the crop is first decoded at 1/2, 1/4 or 1/8 scale (Pillow's draft), as in training.
+    interpolation: str = "bilinear"
+    antialias: bool = True
 
     @classmethod
     def for_size(cls, center_crop: int, resize_shorter_side: int | None = None) -> Preprocessing:
