@@ -141,11 +141,14 @@ def test_a_second_job_on_the_same_outputs_is_refused_and_the_first_keeps_running
     assert _ended(first) == "CANCELLED"
     # The lock went with the first job's supervisor: the folder is free again.
     third = _submit_command(tmp_path, "tiny", waits)
-    settled = wait_for(
-        lambda: _state(third) not in ("QUEUED", "STAGING") and _state(third), 180, "the next job to start"
-    )
-    assert settled == "RUNNING", _status(third)
-    assert run_cli("cancel", third).returncode == 0
+    try:
+        settled = wait_for(
+            lambda: _state(third) not in ("QUEUED", "STAGING") and _state(third), 180, "the next job to start"
+        )
+        assert settled == "RUNNING", _status(third)
+    finally:
+        cancelled = run_cli("cancel", third)  # whatever happened: its 10-minute sleep ends here
+    assert cancelled.returncode == 0, cancelled.stderr
 
 
 def test_a_rank_that_raises_fails_the_job_with_its_traceback(tmp_path: Path) -> None:
