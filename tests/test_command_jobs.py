@@ -17,8 +17,8 @@ from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 
 from clusterfit.outputs import JobOutputs, read_records
 from clusterfit.spec import SpecError, validate_spec
+from clusterfit.worker.command import direct_argv, missing_framework, mpi_env, tf_config
 from clusterfit.worker.command import main as command_worker
-from clusterfit.worker.command import missing_framework, mpi_env, tf_config
 
 CONTRACT_SCRIPT = REPO / "tests" / "scripts" / "env_contract.py"
 MPI_SCRIPT = REPO / "tests" / "scripts" / "mpi_allreduce.py"
@@ -243,3 +243,27 @@ def _cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+@pytest.mark.parametrize(
+    ("command", "argv"),
+    [
+        ("python train.py --steps 30", ["python", "train.py", "--steps", "30"]),
+        ("  python   x.py ", ["python", "x.py"]),
+        ("python train.py && echo done", None),
+        ("env | sort", None),
+        ("echo private > private.txt", None),
+        ("echo a\necho b", None),
+        ("echo $HOME", None),
+        ("python -c 'print(1)'", ["python", "-c", "print(1)"]),  # quoted as sh would read it
+        ("FOO=1 python x.py", None),
+        ("cd sub", None),
+        ("python x.py # a comment", None),
+        ("python 'unclosed", None),
+    ],
+)
+def test_a_plain_command_becomes_the_rank_s_process_and_shell_syntax_gets_a_shell(
+    command: str, argv: list[str] | None
+) -> None:
+    """Debian's /bin/sh forks even one program, so a program killed by SIGKILL looked like a rank exiting 137."""
+    assert direct_argv(command) == argv

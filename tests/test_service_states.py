@@ -525,3 +525,40 @@ def test_a_full_shm_in_a_running_ranks_log_dooms_the_job_at_once(tmp_path: Path)
         )
     failure = fatal_in_logs(outputs)
     assert failure is not None and failure.cause is FailureCause.SHM and failure.summary.startswith("rank 1: out of")
+
+
+# After `sh -c "python train.py && ..."` saw its python SIGKILLed on rank 1: the shell exited 137, and the agent
+# stopped rank 0 (before, the summary blamed rank 0's -15).
+AGENT_STOPPED_THE_PEER_OF_A_SHELL = """\
+W1125 14:26:36.216000 18794 api.py:1028] Sending process 18798 closing signal SIGTERM
+E1125 14:26:36.218000 18794 api.py:1002] failed (exitcode: 137) local_rank: 1 (pid: 18799) of binary: python
+Failures:
+[1]:
+  time      : 2026-11-25_14:26:36
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 18798)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 18798
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-25_14:26:36
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : 137 (pid: 18799)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+"""
+
+
+def test_a_shell_s_killed_program_is_named_on_its_rank_not_on_the_rank_the_agent_stopped(tmp_path: Path) -> None:
+    logs = JobOutputs(tmp_path).logs
+    logs.mkdir()
+    (logs / "agent.log").write_text(AGENT_STOPPED_THE_PEER_OF_A_SHELL)
+    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
+    assert evidence.rank_exits == {0: -15, 1: 137} and evidence.stopped_by_agent == {0}
+    assert classify(evidence).summary == (
+        "rank 1 exited with code 137 (128 + 9: its program was killed by SIGKILL (signal 9))"
+    )

@@ -195,17 +195,36 @@ def test_a_rank_killed_mid_run_is_retried_from_the_last_complete_checkpoint_exac
     assert final_values(out.root) == final_values(tmp_path / "whole")
 
 
-def test_the_resume_example_is_killed_and_resumes_through_the_torch_helper(tmp_path: Path) -> None:
+KERAS = importlib.util.find_spec("keras") is not None
+
+
+@pytest.mark.parametrize(
+    "model", ["torch", pytest.param("keras", marks=pytest.mark.skipif(not KERAS, reason="the test extra has keras"))]
+)
+def test_the_resume_example_is_killed_and_resumes_through_the_torch_helper(tmp_path: Path, model: str) -> None:
+    """Also with a Keras 3 model on the torch backend, which DDP, a torch optimizer and the torch helper train
+    and checkpoint as any module: the ranks end with the same weights."""
     example = REPO / "examples" / "session" / "resume-after-kill.yaml"
-    command = "python train_ddp.py --steps 30 --kill-at 25 --checkpoint-every 10"
+    command = f"python train_ddp.py --model {model} --steps 30 --kill-at 25 --checkpoint-every 10"
     result = run_cli("run", str(example), "--set", f"outputs.dir={tmp_path}", "--set", f"command={command}", cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "attempt 1 failed: killed by a signal: rank 1 killed by SIGKILL" in result.stdout
     assert "[rank1] resumed at step 20 (attempt 2)" in result.stdout
-    kept = sorted(path.name for path in JobOutputs.at(tmp_path).checkpoints.glob("step-*"))
+    outputs = JobOutputs.at(tmp_path)
+    kept = sorted(path.name for path in outputs.checkpoints.glob("step-*"))
     assert kept == ["step-00000019", "step-00000029"]  # keep=2
+    weights = {line.split()[-1] for line in result.stdout.splitlines() if " weights " in line}
+    assert len(weights) == 1, result.stdout[-3000:]  # both ranks print theirs: one value
+    losses = [record["loss"] for record in read_records(outputs.metrics) if "loss" in record]
+    assert len(losses) >= 30 and sum(losses[-5:]) < 0.9 * sum(losses[:5]), losses
+    if model == "keras":
+        import torch
+
+        saved = torch.load(outputs.checkpoints / kept[-1] / "rank-00000" / "state.pt", weights_only=True)
+        assert "module._torch_params.classifier/hidden/kernel" in saved["model"]  # Keras's variables, by name
 
 
-@pytest.mark.skipif(importlib.util.find_spec("keras") is None, reason="keras is not installed (the test extra has it)")
+@pytest.mark.skipif(not KERAS, reason="keras is not installed (the test extra has it)")
 def test_the_keras_callback_reports_every_batch(tmp_path: Path) -> None:
     spec = session_job(
         tmp_path,

@@ -112,9 +112,15 @@ def classify(evidence: Evidence) -> Failure:
     if any(_RENDEZVOUS_LOST.search(line) for line in evidence.agent_tail):
         return Failure(FailureCause.NODE_LOST, "a node left the rendezvous (its agent or machine is gone)")
     failed = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code != 0}
+    failed = {rank: code for rank, code in failed.items() if rank not in stopped} or failed
     if failed:
-        rank, code = next(iter(failed.items()))
-        return Failure(FailureCause.EXIT_CODE, f"rank {rank} exited with code {code}", _last(evidence, rank))
+        rank = root_rank if root_rank in failed else next(iter(failed))
+        code = failed[rank]
+        # A shell reports its program killed by signal N as 128 + N (a command job with shell syntax).
+        by_shell = (
+            f" (128 + {code - 128}: its program was killed by {_signal_name(code - 128)})" if 128 < code < 160 else ""
+        )
+        return Failure(FailureCause.EXIT_CODE, f"rank {rank} exited with code {code}{by_shell}", _last(evidence, rank))
     # No rank failed: the agent itself did (a rendezvous that never formed, a worker that could not start).
     agent_tail = "\n".join([line for line in evidence.agent_tail if line.strip()][-_TRACEBACK_LINES:])
     if evidence.exit_code is not None and evidence.exit_code < 0:

@@ -2,7 +2,9 @@
 
 It turns torchrun's environment into the one `distribution.type` promises, starts the rank's liveness heartbeat
 (worker/liveness.py), tells clusterfit.session where the job's spec is, then replaces itself with the user's
-command (exec), so the command's exit code and the signals torchrun or the engine send reach it unchanged.
+command (exec), so the command's exit code and the signals torchrun or the engine send reach it unchanged. A
+plain command (a program and its arguments) is exec'd itself; one with shell syntax runs under /bin/sh, which
+reports a program killed by signal N as exit code 128 + N.
 
 - pytorch: torchrun's RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT as is.
 - mpi: on the local engine mpirun starts the ranks (one MPI world); the wrapper adds torchrun's names and
@@ -133,6 +135,24 @@ def command_env(kind: str, env: Mapping[str, str], extra: Mapping[str, str]) -> 
     return out
 
 
+# A shell's own words (no program of that name): exec'ing them would fail.
+_SHELL_BUILTINS = frozenset({".", "alias", "cd", "eval", "exec", "exit", "export", "set", "source", "ulimit", "unset"})
+
+
+def direct_argv(command: str) -> list[str] | None:
+    """The program and its arguments when `command` needs no shell (no operators, expansions, quoting or variable
+    assignments), so the program itself becomes the rank's process; else None. Debian's /bin/sh (dash) forks even
+    a single command, and a SIGKILLed program then looks like a rank that exited with code 137."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        return None
+    plain = bool(words) and "\n" not in command.strip() and shlex.join(words) == " ".join(command.split())
+    if not plain or "=" in words[0] or words[0] in _SHELL_BUILTINS:
+        return None
+    return words
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m clusterfit.worker.command")
     parser.add_argument("--spec", required=True, help="resolved job spec (YAML) written by the launcher")
@@ -156,7 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     if spec.code is not None:
         os.chdir(spec.code)
     sys.stdout.flush()
-    os.execve("/bin/sh", ["/bin/sh", "-c", spec.command], env)
+    words = direct_argv(spec.command)
+    if words is None:
+        os.execve("/bin/sh", ["/bin/sh", "-c", spec.command], env)
+    try:
+        os.execvpe(words[0], words, env)
+    except OSError as exc:  # as a shell would say it, with its exit code for "not found" or "not executable"
+        print(f"clusterfit: command = {spec.command!r}: {words[0]}: {exc.strerror}", file=sys.stderr, flush=True)
+        sys.exit(127 if isinstance(exc, FileNotFoundError) else 126)
 
 
 if __name__ == "__main__":
