@@ -130,6 +130,11 @@ def test_outputs_at_a_url_outlive_the_machine_and_the_rerun_resumes_from_the_sto
         "the checkpoint of step 9 in the store",
     )
     assert launcher.poll() is None, "the job ended before its checkpoint reached the store"
+    elsewhere = {**spec, "outputs": {**spec["outputs"], "cache_dir": str(tmp_path / "other-machine")}}
+    second = run_cli("run", str(write_job(tmp_path / "second.yaml", elsewhere)))
+    assert second.returncode != 0 and "outputs.dir az://outputs/resumed is in use by job " in second.stdout, (
+        second.stdout[-2000:] + second.stderr[-2000:]
+    )
     launcher.kill()
     launcher.wait()
     wait_for(lambda: not processes_mentioning(str(local)), 60, "the killed job's processes to end")
@@ -147,6 +152,7 @@ def test_outputs_at_a_url_outlive_the_machine_and_the_rerun_resumes_from_the_sto
     assert stored["model/model.safetensors"] == (local / "model" / "model.safetensors").read_bytes()
     kept = sorted({name.split("/")[1] for name in stored if name.startswith("checkpoints/step-")})
     assert kept == ["step-00000015", "step-00000016"], "checkpoints rotated away here leave the store too"
+    assert ".clusterfit-writer.json" not in stored, "the job ended: the store has no writer"
     steps = [json.loads(line)["step"] for line in stored["metrics.jsonl"].splitlines()]
     assert steps[: len(steps_before)] == steps_before and steps[-1] == 16, "the first attempt's records are kept"
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,10 +16,11 @@ from azure.storage.blob import BlobServiceClient
 from azurite import Azurite, serving
 from conftest import wait_for
 
+from clusterfit.errors import OutputsInUse
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import checkpoint_name, publish, published, verify
 from clusterfit.storage.filesystems import Credentials, StorageError
-from clusterfit.storage.outputs_mirror import OutputsMirror, Uploader, check_store
+from clusterfit.storage.outputs_mirror import OutputsMirror, StoreWriter, Uploader, check_store
 
 CONTAINER = "outputs"
 
@@ -205,3 +208,51 @@ def test_a_store_without_the_container_or_refusing_the_key_is_one_line_before_an
         f"outputs.dir = 'az://{CONTAINER}/x': no credentials for this store: set storage.account_name with "
         "AZURE_STORAGE_ACCOUNT_KEY or storage.sas_token, or AZURE_STORAGE_CONNECTION_STRING (AWS_* for s3://)"
     )
+
+
+def test_one_job_at_a_time_writes_a_store_copy(azurite: Azurite, tmp_path: Path) -> None:
+    """Two machines given one outputs URL: the second job stops in one line while the first lives; a writer
+    elsewhere counts as alive until its record is stale, one here while its process runs; a job that lost the
+    store to another stops uploading over it."""
+    url = f"az://{CONTAINER}/claimed"
+    first = OutputsMirror(_job_folder(tmp_path / "a"), url, Credentials())
+    first.claim("job-a", ttl_s=60, settle_s=0)
+    first.push()
+    second = OutputsMirror(_job_folder(tmp_path / "b"), url, Credentials())
+    in_use = r"^outputs.dir az://outputs/claimed is in use by job job-a \(pid \d+ on [^,]+, seen \d+ s ago\); wait for"
+    with pytest.raises(OutputsInUse, match=in_use):
+        second.claim("job-b", ttl_s=60, settle_s=0)
+    first.claim("job-a", ttl_s=60, settle_s=0)  # the same job again: a retry
+
+    def recorded(host: str, pid: int, start_time: str, age_s: float) -> None:
+        record = StoreWriter("job-c", host, pid, start_time, time.time() - age_s)
+        second.fs.pipe_file(f"{second.root}/.clusterfit-writer.json", json.dumps(record.__dict__).encode())
+
+    recorded("another-machine", 1, "1", age_s=30)
+    with pytest.raises(OutputsInUse, match="in use by job job-c \\(pid 1 on another-machine, seen 30 s ago\\)"):
+        second.claim("job-b", ttl_s=60, settle_s=0)
+    recorded("another-machine", 1, "1", age_s=90)  # stale: that machine is gone
+    second.claim("job-b", ttl_s=60, settle_s=0)
+    # On this machine, and just renewed, but its process is gone (the pid now names a process started later).
+    recorded(socket.gethostname(), os.getpid(), "0", age_s=0)
+    second.claim("job-b", ttl_s=60, settle_s=0)
+
+    with pytest.raises(StorageError, match=r"took it over; this job stops uploading there") as stopped:
+        first.push()
+    assert not stopped.value.retryable
+    second.push()
+
+    # Two claims at once: both write their record, the last write stands, and the other job stops.
+    recorded("another-machine", 1, "1", age_s=90)
+    late = threading.Timer(0.2, recorded, args=("another-machine", 2, "2", 0))
+    late.start()
+    with pytest.raises(OutputsInUse, match="in use by job job-c \\(pid 2 on another-machine"):
+        OutputsMirror(_job_folder(tmp_path / "d"), url, Credentials()).claim("job-d", ttl_s=60, settle_s=0.6)
+    late.join()
+    second.claim("job-b", ttl_s=0.1, settle_s=0)  # job-c's record is stale at a 0.1 s ttl: job-b writes again
+
+    fresh = JobOutputs.at(tmp_path / "fresh")
+    OutputsMirror(fresh, url, Credentials()).pull()
+    assert not (fresh.root / ".clusterfit-writer.json").exists(), "the record stays in the store"
+    second.release()
+    assert ".clusterfit-writer.json" not in _blobs(azurite, "claimed")

@@ -34,6 +34,12 @@ class SpecError(ClusterfitError, ValueError):
     Also a ValueError, as it always was: callers that catch ValueError keep catching it."""
 
 
+class OutputsInUse(SpecError):  # noqa: N818 - reads as the condition it reports
+    """Another job writes the outputs folder (or the store's copy of it) this job was given: two jobs there would
+    destroy each other's checkpoints and logs. Not retried: the user waits for the other, cancels it, or gives
+    another outputs.dir."""
+
+
 class EngineError(ClusterfitError):
     """The engine (Slurm, Kubernetes, Ray) refused the job or could not be reached.
 

@@ -19,6 +19,7 @@ CONFUSION_PNG = "confusion_matrix.png"
 BEST_WEIGHTS = "best.safetensors"  # in the checkpoints folder, beside (and never rotated with) the step-N ones
 CODE_DIR = "code"
 LOCK_FILE = ".clusterfit-lock"
+WRITER_FILE = ".clusterfit-writer.json"  # only in a store's copy (outputs.dir: URL): the job that writes it
 PREDICTIONS_FILE = "predictions.parquet"  # a scoring job's result, one row per image, ordered by file
 PREDICTIONS_CSV = "predictions.csv"
 PREDICTION_PARTS_DIR = "predictions"  # its per-rank chunk files, each published by one rename

@@ -11,12 +11,10 @@ import socket
 from pathlib import Path
 from typing import IO
 
+from clusterfit.errors import OutputsInUse
 from clusterfit.outputs import JobOutputs
-from clusterfit.spec.errors import SpecError
 
-
-class OutputsInUse(SpecError):  # noqa: N818 - reads as the condition it reports
-    pass
+__all__ = ["OutputsClaim", "OutputsInUse", "claim_outputs"]
 
 
 class OutputsClaim:

@@ -46,7 +46,7 @@ from clusterfit.service.states import Decision, FailureCause, JobState, decide_a
 from clusterfit.service.store import Job, JobStore, dump_json
 from clusterfit.spec import JobSpec
 from clusterfit.storage.filesystems import credentials, public
-from clusterfit.storage.outputs_mirror import OutputsMirror, Uploader
+from clusterfit.storage.outputs_mirror import OutputsMirror, Uploader, writer_ttl_s
 
 _RECORD_EVERY_S = 2.0  # progress written to the store at most this often; also the supervisor's liveness
 _HANG_GRACE_S = 3.0  # after a hang is seen, time for every rank's stack dump to reach its log
@@ -112,9 +112,12 @@ class Supervisor:
             url = outputs_url(job)
             if url is not None:
                 mirror = OutputsMirror(JobOutputs.at(spec.outputs.dir), url, credentials(spec.storage))
+                mirror.claim(job.id, writer_ttl_s(spec.outputs.upload_every_s))  # one job per store copy
                 self._restore(mirror)  # a fresh machine resumes where the store's copy ends
             preflight(spec)  # again: data can vanish while a job waits in the queue
         except ClusterfitError as exc:
+            if mirror is not None:
+                mirror.release()
             return Outcome.FAILED, failure_for_error(exc)
         if mirror is None:
             return self._run_attempt(job, attempt, spec)
@@ -125,6 +128,8 @@ class Supervisor:
             except ClusterfitError as exc:
                 self.log(f"job {job.id}: {exc}; the local copy is in {spec.outputs.dir}")
                 return (Outcome.FAILED, failure_for_error(exc)) if outcome is Outcome.SUCCEEDED else (outcome, failure)
+            finally:
+                mirror.release()  # a retry claims it again
         self.log(
             f"job {job.id}: outputs in {public(url)}: {pushed.files} files uploaded during attempt {attempt}, "
             f"{pushed.bytes / 1e6:.1f} MB at {pushed.mb_per_s:.1f} MB/s"

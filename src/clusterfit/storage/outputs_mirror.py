@@ -9,29 +9,74 @@ store a copy of it, from a process that is not training (the job's supervisor), 
   rotated away locally are deleted from the store once a newer one is complete there.
 - `pull()` makes a fresh node's folder the store's: files missing here are downloaded, and the newest complete
   checkpoint in the store (verified against its manifest after the download) unless one as new is here.
+- `claim()` makes a job the one writer of the store's copy, as the local lock does for a folder: a record in the
+  store names the job, its machine and process, renewed at every push. Another job finds it and stops in one
+  line while that writer lives: a process of this machine is checked directly; one elsewhere counts as alive
+  until its record is `ttl_s` old (a machine that vanished cannot say so).
 
 Torch-free. Credentials come from the job's storage section or the environment and are never written anywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from clusterfit.errors import ClusterfitError, OutputsInUse
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import MANIFEST, STEP_PREFIX, TMP_PREFIX, published, verify
-from clusterfit.outputs.layout import CHECKPOINT_DIR, HEARTBEAT_DIR, LOCK_FILE
+from clusterfit.outputs.layout import CHECKPOINT_DIR, HEARTBEAT_DIR, LOCK_FILE, WRITER_FILE
+from clusterfit.processes import is_running, process_start_time
 from clusterfit.storage.filesystems import Credentials, StorageError, open_filesystem, public, storage_error
 
-# This node's own: the lock of the running job, and heartbeats that mean nothing once read elsewhere.
-_NOT_MIRRORED = {LOCK_FILE, HEARTBEAT_DIR}
+# This node's own: the lock of the running job, and heartbeats that mean nothing once read elsewhere; and the
+# store's own record of its writer.
+_NOT_MIRRORED = {LOCK_FILE, HEARTBEAT_DIR, WRITER_FILE}
 _FINAL_TRIES = 4
+
+
+def writer_ttl_s(upload_every_s: float) -> float:
+    """How long a writer on another machine counts as alive after its last renewal: long enough for a push of a
+    large checkpoint between two renewals, short enough that a job rerun elsewhere after a machine vanished waits
+    minutes, not hours."""
+    return 300.0 + 6 * upload_every_s
+
+
+@dataclass(frozen=True)
+class StoreWriter:
+    """The job that writes a store's copy of an outputs folder, as its record in the store says."""
+
+    job: str
+    host: str
+    pid: int
+    start_time: str
+    renewed: float  # seconds since the epoch, by the writer's clock
+
+    @classmethod
+    def this_process(cls, job: str) -> StoreWriter:
+        pid = os.getpid()
+        return cls(job, socket.gethostname(), pid, process_start_time(pid) or "", time.time())
+
+    @property
+    def identity(self) -> tuple[str, str, int, str]:
+        return self.job, self.host, self.pid, self.start_time
+
+    def alive(self, ttl_s: float) -> bool:
+        if self.host == socket.gethostname():
+            return is_running(self.pid, self.start_time or None)
+        return time.time() - self.renewed < ttl_s
+
+    def __str__(self) -> str:
+        return f"job {self.job} (pid {self.pid} on {self.host}, seen {max(0.0, time.time() - self.renewed):.0f} s ago)"
 
 
 @dataclass
@@ -58,11 +103,76 @@ class OutputsMirror:
         _fail_fast(self.fs)
         self.on_file = on_file  # hears each file's path inside the folder once it is in the store
         self._sent: dict[str, tuple[int, int]] = {}  # path inside the folder -> (size, mtime_ns) when uploaded
+        self._writer: StoreWriter | None = None  # set by claim(): every push renews it first
+
+    def claim(self, job: str, ttl_s: float, settle_s: float = 1.0) -> None:
+        """Makes `job` the store copy's one writer, or raises OutputsInUse naming the live one. Two claims at once
+        both write their record; the last write stands, and the other job sees it after `settle_s` and stops."""
+        try:
+            current = self._read_writer()
+            if current is not None and current.job != job and current.alive(ttl_s):
+                raise self._in_use(current)
+            me = StoreWriter.this_process(job)
+            self.fs.makedirs(self.root, exist_ok=True)  # a folder store (file://) writes no file into a missing one
+            self._write_writer(me)
+            time.sleep(settle_s)
+            current = self._read_writer()
+        except ClusterfitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every store's SDK raises its own types
+            raise storage_error(f"outputs.dir = {public(self.url)!r}: claiming", exc, self.creds) from None
+        if current is None or current.identity != me.identity:
+            raise self._in_use(current or me)
+        self._writer = me
+
+    def release(self) -> None:
+        """Gives up the claim (the job ended); best effort: a record left behind is taken over once stale."""
+        writer, self._writer = self._writer, None
+        with contextlib.suppress(Exception):  # every store's SDK raises its own types
+            current = self._read_writer() if writer is not None else None
+            if writer is not None and current is not None and current.identity == writer.identity:
+                self.fs.rm(self._writer_path)
+
+    def _renew(self) -> None:
+        """Before each push: the store is still this job's (then its record is renewed), or StorageError, not
+        retryable, and nothing is uploaded over the other job's files."""
+        if self._writer is None:
+            return
+        current = self._read_writer()
+        if current is not None and current.identity != self._writer.identity:
+            raise StorageError(
+                f"outputs.dir {public(self.url)}: {current} took it over; this job stops uploading there",
+                retryable=False,
+            )
+        self._writer = replace(self._writer, renewed=time.time())
+        self._write_writer(self._writer)
+
+    @property
+    def _writer_path(self) -> str:
+        return f"{self.root}/{WRITER_FILE}"
+
+    def _in_use(self, writer: StoreWriter) -> OutputsInUse:
+        return OutputsInUse(
+            f"outputs.dir {public(self.url)} is in use by {writer}; wait for it to end or cancel it, or give this "
+            "job another outputs.dir"
+        )
+
+    def _read_writer(self) -> StoreWriter | None:
+        try:
+            return StoreWriter(**json.loads(self.fs.cat_file(self._writer_path)))
+        except FileNotFoundError:
+            return None
+        except (ValueError, TypeError):
+            return None  # not a record this version wrote: no writer to respect
+
+    def _write_writer(self, writer: StoreWriter) -> None:
+        self.fs.pipe_file(self._writer_path, json.dumps(asdict(writer)).encode())
 
     def push(self) -> Transfer:
         """Upload what changed here since the last push; StorageError (retryable if unreachable) on failure."""
         started, moved = time.perf_counter(), Transfer()
         try:
+            self._renew()
             for path in self._plain_files():
                 self._upload_if_changed(path, moved)
             kept = published(self.outputs.checkpoints)
