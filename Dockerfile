@@ -38,5 +38,8 @@ RUN set -eux; \
     if [ "$FRAMEWORK" = tensorflow ]; then python -c "import tensorflow as tf; print('tensorflow', tf.__version__)"; fi
 
 # Relative paths in a job spec (outputs.dir, code, data) resolve here, where the engine mounts its volumes.
+# Jobs run unprivileged: uid 1000 is also the Kubernetes pods' default runAsUser (resources.kubernetes.run_as_user).
+RUN useradd --uid 1000 --create-home --shell /usr/sbin/nologin clusterfit && mkdir -p /workspace && chown clusterfit /workspace
 WORKDIR /workspace
+USER 1000
 CMD ["clusterfit", "--help"]

@@ -20,7 +20,7 @@ from jsonschema import Draft7Validator
 
 from clusterfit.backends.kubernetes import job_status, manifests_text, render_manifests
 from clusterfit.outputs.resolved_spec import resolved_spec_text
-from clusterfit.spec import validate_spec
+from clusterfit.spec import SpecError, validate_spec
 
 DATA = REPO / "tests" / "data" / "kubernetes"
 
@@ -132,6 +132,82 @@ def test_pod_template_and_config_map_are_valid_kubernetes_objects() -> None:
     assert _model_errors(typo, "V1PodSpec") == [".containers[0].volumeMount: not a field of V1Container"]
 
 
+# The restricted Pod Security Standard (kubernetes.io/docs/concepts/security/pod-security-standards), as the
+# PodSecurity admission controller applies it to a pod in a namespace labelled `enforce: restricted`.
+_RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
+
+
+def _restricted_violations(pod: dict[str, Any]) -> list[str]:
+    found = [f"{key}: true" for key in ("hostNetwork", "hostPID", "hostIPC") if pod.get(key)]
+    for volume in pod.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= _RESTRICTED_VOLUMES:
+            found.append(f"volume {volume['name']}: {sorted(kinds)}")
+    pod_context = pod.get("securityContext", {})
+    for container in pod["containers"]:
+        context = {**pod_context, **container.get("securityContext", {})}
+        name = container["name"]
+        if context.get("privileged"):
+            found.append(f"{name}: privileged")
+        if context.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{name}: allowPrivilegeEscalation is not false")
+        if context.get("runAsNonRoot") is not True:
+            found.append(f"{name}: runAsNonRoot is not true")
+        if context.get("runAsUser") == 0:
+            found.append(f"{name}: runAsUser 0")
+        if context.get("seccompProfile", {}).get("type") not in ("RuntimeDefault", "Localhost"):
+            found.append(f"{name}: no RuntimeDefault or Localhost seccomp profile")
+        capabilities = container.get("securityContext", {}).get("capabilities", {})
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{name}: capabilities not dropped")
+        if set(capabilities.get("add", [])) - {"NET_BIND_SERVICE"}:
+            found.append(f"{name}: capabilities added")
+        if any(port.get("hostPort") for port in container.get("ports", [])):
+            found.append(f"{name}: a host port")
+    return found
+
+
+def _pod(spec: Any) -> dict[str, Any]:
+    return render_manifests(spec)[1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+
+
+def test_pods_meet_the_restricted_pod_security_standard_and_mount_no_token_unless_asked() -> None:
+    """A namespace enforcing the restricted standard admits the pods; a job's code gets no service account token
+    (the namespace's default account) unless the spec names an account, e.g. for a workload identity."""
+    pod = _pod(_spec())
+    assert _restricted_violations(pod) == []
+    assert pod["automountServiceAccountToken"] is False and "serviceAccountName" not in pod
+    assert pod["securityContext"]["runAsUser"] == pod["securityContext"]["fsGroup"] == 1000
+    env = {item["name"]: item["value"] for item in pod["containers"][0]["env"]}
+    (home,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == env["HOME"]]
+    assert {"name": home["name"], "emptyDir": {}} in pod["volumes"], "a uid the image may not know has a home"
+
+    kubernetes = {"image": "clusterfit:cpu", "service_account": "trainer-identity", "run_as_user": 2000}
+    named = _pod(_spec(kubernetes=kubernetes))
+    assert named["serviceAccountName"] == "trainer-identity" and named["automountServiceAccountToken"] is True
+    assert named["securityContext"]["runAsUser"] == 2000 and _restricted_violations(named) == []
+    assert _model_errors(named, "V1PodSpec") == []
+
+    # The check has teeth: root, an escalation and kept capabilities are each refused.
+    as_root = copy.deepcopy(pod)
+    as_root["securityContext"]["runAsUser"] = 0
+    escalating = copy.deepcopy(pod)
+    escalating["containers"][0]["securityContext"] = {"capabilities": {"drop": ["ALL"]}}
+    assert _restricted_violations(as_root) == ["pytorch: runAsUser 0"]
+    assert _restricted_violations(escalating) == ["pytorch: allowPrivilegeEscalation is not false"]
+    with pytest.raises(SpecError, match=r"resources.kubernetes.run_as_user"):
+        _spec(kubernetes={"image": "clusterfit:cpu", "run_as_user": 0})
+
+
 def test_the_agent_command_and_resources_follow_the_spec() -> None:
     _, job = render_manifests(_spec())
     container = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
@@ -239,7 +315,7 @@ def test_a_scoring_job_renders_as_a_pytorchjob_whose_ranks_read_the_model_and_im
     config_map, job = render_manifests(validate_spec(raw))
     assert list(_crd_validator().iter_errors(job)) == []
     pod_spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-    assert _model_errors(pod_spec, "V1PodSpec") == []
+    assert _model_errors(pod_spec, "V1PodSpec") == [] and _restricted_violations(pod_spec) == []
     container = pod_spec["containers"][0]
     assert container["command"][-4:] == ["-m", "clusterfit.worker", "--spec", "/etc/clusterfit/job.yaml"]
     assert "--nnodes=2" in container["command"] and "--nproc-per-node=2" in container["command"]

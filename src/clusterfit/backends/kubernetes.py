@@ -3,7 +3,12 @@ operator runs one pod per node whose container is torchrun's agent, rendezvousin
 
 Rendered as two manifests: a ConfigMap holding the resolved job.yaml (mounted at /etc/clusterfit) and the
 PyTorchJob. outputs.dir is a ReadWriteMany PersistentVolumeClaim mounted on every pod (logs, checkpoints and
-the model land there); a command job's `code` must be in the image or on a mounted claim."""
+the model land there); a command job's `code` must be in the image or on a mounted claim.
+
+The pods meet the restricted Pod Security Standard (so they run in namespaces that enforce it): a non-root user
+and group (`run_as_user`, also the claim's group through fsGroup), no privilege escalation, every capability
+dropped, the runtime's default seccomp profile. No service account token is mounted unless the spec names a
+service account: a job's code cannot call the cluster's API with the namespace's default account."""
 
 from __future__ import annotations
 
@@ -26,6 +31,7 @@ GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 WORKDIR = "/workspace"  # the image's WORKDIR: relative paths in the spec resolve here, as on a laptop
 SPEC_DIR = "/etc/clusterfit"
 DATA_MOUNT = "/data"
+HOME = "/home/clusterfit"  # an emptyDir: caches (~/.cache) must be writable by a uid the image may not know
 _CONTAINER = "pytorch"  # the training operator finds the training container by this name
 _POLL_EVERY_S = 2.0
 _RETRY_NOTE = "with limits.max_retries the job is submitted again after a pause"
@@ -61,7 +67,7 @@ def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
         spec, python="python", rdzv_endpoint=f"{name}-worker-0:{RDZV_PORT}", run_id=name, spec_path=spec_path
     )
     threads = max(1, _cores(k8s.cpu) // nproc)
-    env = {**worker_env(threads), **spec.environment_variables}
+    env = {**worker_env(threads), "HOME": HOME, **spec.environment_variables}
     quantities = {"cpu": k8s.cpu, "memory": k8s.memory}
     if res.gpus_per_instance:
         quantities["nvidia.com/gpu"] = str(res.gpus_per_instance)
@@ -69,11 +75,13 @@ def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
         {"name": "job-spec", "mountPath": SPEC_DIR, "readOnly": True},
         {"name": "outputs", "mountPath": _in_pod(spec.outputs.dir)},
         {"name": "dshm", "mountPath": "/dev/shm"},  # DataLoader workers pass batches through shared memory
+        {"name": "home", "mountPath": HOME},
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "job-spec", "configMap": {"name": f"{name}-spec"}},
         {"name": "outputs", "persistentVolumeClaim": {"claimName": k8s.outputs_claim}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "home", "emptyDir": {}},
     ]
     if k8s.data_claim:
         mounts.append({"name": "data", "mountPath": DATA_MOUNT, "readOnly": True})
@@ -88,6 +96,20 @@ def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
         "ports": [{"name": "c10d", "containerPort": RDZV_PORT}],
         "resources": {"requests": quantities, "limits": quantities},
         "volumeMounts": mounts,
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": k8s.run_as_user,
+            "runAsGroup": k8s.run_as_user,
+            "fsGroup": k8s.run_as_user,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "automountServiceAccountToken": k8s.service_account is not None,
+        **({"serviceAccountName": k8s.service_account} if k8s.service_account else {}),
+        "containers": [container],
+        "volumes": volumes,
     }
     config_map = {
         "apiVersion": "v1",
@@ -117,7 +139,7 @@ def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
                     "restartPolicy": "OnFailure" if res.elastic else "Never",
                     "template": {
                         "metadata": {"labels": labels},
-                        "spec": {"containers": [container], "volumes": volumes},
+                        "spec": pod_spec,
                     },
                 }
             },

@@ -485,6 +485,14 @@ class KubernetesSpec(_Strict):
     data_claim: str | None = Field(None, description="a PersistentVolumeClaim mounted read-only at /data")
     cpu: str = Field("2", description="CPU request and limit per pod")
     memory: str = Field("8Gi", description="memory request and limit per pod")
+    service_account: str | None = Field(
+        None,
+        description="the pods' service account, whose token is then mounted (a workload identity for storage); "
+        "without one no token is mounted, so a job's code cannot call the cluster's API",
+    )
+    run_as_user: int = Field(
+        1000, ge=1, description="the user and group id the pods run as, never root (restricted Pod Security Standard)"
+    )
 
 
 def node_range(value: object) -> tuple[int, int]:
