@@ -59,6 +59,10 @@ def main() -> None:
             print(f"env mismatch: {name} missing", flush=True)
             sys.exit(1)
     expect("FROM_SPEC", "yes")
+    leaked = sorted(set(os.environ) & {"RAY_AUTH_TOKEN"})
+    if leaked:  # the Ray cluster's key: a job holding it could run anything on the cluster
+        print(f"env leaked to the job: {', '.join(leaked)}", flush=True)
+        sys.exit(1)
     if kind == "mpi":
         expect("OMPI_COMM_WORLD_RANK", rank)
         expect("OMPI_COMM_WORLD_SIZE", world_size)

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,17 @@ def node_command(spec: JobSpec, node: int, *, python: str, node_ip: str, rdzv_en
         rdzv_is_host=node == 0,
         local_addr=node_ip,
     )
+
+
+# The Ray cluster's own key, which the node's raylet hands every worker process: a job holding it could submit
+# anything to the cluster. NOTE: this only keeps the key out of what the job is given; a job running as the same
+# OS user as Ray's daemons can still read it from their /proc/PID/environ or Ray's token file.
+_RAY_SECRETS = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def job_environ(actor_environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a job's agent starts from on a Ray node: the actor's, without the cluster's secrets."""
+    return {key: value for key, value in actor_environ.items() if key not in _RAY_SECRETS}
 
 
 class RayBackend:
@@ -397,7 +409,7 @@ class NodeAgent:
             self._process = subprocess.Popen(
                 command,
                 cwd=cwd,
-                env={**os.environ, **env},
+                env={**job_environ(os.environ), **env},
                 stdout=agent_log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
