@@ -14,9 +14,15 @@ from pathlib import Path
 import pytest
 from conftest import REPO, cli_command, exported_weights, run_cli, tiny_job, wait_for, write_job
 from slurm_cluster import SlurmCluster, missing_reason
-from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job, framework_code, rank_logs
+from test_command_jobs import (
+    assert_one_tensorflow_cluster_learned,
+    command_job,
+    framework_code,
+    rank_logs,
+    user_code,
+)
 from test_scoring import assert_every_good_image_scored_once, scoring_job
-from test_session import final_values, session_job
+from test_session import ended, final_values, session_job, submit
 
 from clusterfit.backends.slurm import SCRIPT, sbatch_script
 from clusterfit.outputs import JobOutputs, read_heartbeats
@@ -123,6 +129,22 @@ def test_command_job_gets_its_environment_on_slurm(slurm: SlurmCluster, tmp_path
             assert f"mpi world of 2: rank {rank} agrees on the sum 3" in rank_logs(out)
     if kind == "tensorflow":
         assert_one_tensorflow_cluster_learned(out, workers=2)
+
+
+def test_a_job_of_the_job_service_gets_none_of_the_server_s_environment_on_slurm(
+    slurm: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sbatch exports its caller's environment to the job; for a job of the job service that caller is a
+    supervisor holding the server's home, database URL and whatever its operator exported."""
+    monkeypatch.setenv("SERVER_ONLY_SECRET", "s3cr3t")  # as an operator's export, inherited by the supervisor
+    out = tmp_path / "out"
+    job = command_job(out, user_code(tmp_path), "env", processes=1)
+    job["resources"]["backend"] = "slurm"
+    job_id = submit(write_job(tmp_path / "job.yaml", job))
+    assert ended(job_id) == "SUCCEEDED", run_cli("status", job_id).stdout
+    env = dict(line.split("=", 1) for line in (out / "logs" / "rank-0.log").read_text().splitlines() if "=" in line)
+    assert env["FROM_SPEC"] == "yes" and env["SLURM_CONF"] == slurm.env["SLURM_CONF"]
+    assert not {"SERVER_ONLY_SECRET", "CLUSTERFIT_HOME"} & set(env), sorted(env)
 
 
 def _long_job(out: Path) -> dict:

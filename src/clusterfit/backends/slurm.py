@@ -14,9 +14,11 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.job_env import job_env
 from clusterfit.backends.mpi import find_mpirun, launched_by_mpirun, mpirun_command
 from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import (
@@ -147,6 +149,12 @@ def _mpirun_lines(spec: JobSpec, python: str) -> list[str]:
     ]
 
 
+def slurm_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """What sbatch itself reads from its caller's environment: the cluster's configuration and the operator's
+    sbatch defaults."""
+    return {key: value for key, value in environ.items() if key == "SLURM_CONF" or key.startswith("SBATCH_")}
+
+
 class SlurmBackend:
     name = "slurm"
 
@@ -163,7 +171,9 @@ class SlurmBackend:
             secret_env=storage_secret_env(spec),
         )
 
-    def submit(self, spec: JobSpec) -> PolledRun:
+    def submit(self, spec: JobSpec, *, confined: bool = False) -> PolledRun:
+        """`confined`: a job of the job service, whose sbatch (which exports its environment to the job) gets the
+        allow-listed job environment and the operator's Slurm settings, never the supervisor's own."""
         if shutil.which("sbatch") is None:
             raise EngineError(
                 "resources.backend = 'slurm' but sbatch is not on PATH; run on a Slurm login node", retryable=False
@@ -174,9 +184,11 @@ class SlurmBackend:
             write_atomically(Path(path), content)
         JobOutputs.at(spec.outputs.dir).logs.mkdir(parents=True, exist_ok=True)
         # sbatch exports the submitting environment to the job (--export=ALL): the secret travels that way.
-        result = subprocess.run(
-            rendered.command, env={**os.environ, **rendered.secret_env}, capture_output=True, text=True
-        )
+        if confined:
+            env = job_env(spec.outputs.dir, slurm_settings(os.environ), rendered.secret_env)
+        else:
+            env = {**os.environ, **rendered.secret_env}
+        result = subprocess.run(rendered.command, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             raise sbatch_refusal(result.stderr or result.stdout, spec)
         job_id = result.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;cluster"

@@ -161,6 +161,8 @@ class Supervisor:
             if self.confined and backend.name == "local":
                 user = (os.environ.get(JOB_USER_ENV) or None) if os.geteuid() == 0 else None
                 handle = backend.submit(spec, confined=True, user=user)  # type: ignore[call-arg]
+            elif self.confined and backend.name == "slurm":  # sbatch hands its own environment to the job
+                handle = backend.submit(spec, confined=True)  # type: ignore[call-arg]
             else:
                 handle = backend.submit(spec)
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
