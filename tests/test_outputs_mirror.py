@@ -67,10 +67,27 @@ def _job_folder(root: Path) -> JobOutputs:
     return outputs
 
 
+def _folder_store(root: Path) -> dict[str, bytes]:
+    return {path.relative_to(root).as_posix(): path.read_bytes() for path in root.rglob("*") if path.is_file()}
+
+
+@pytest.mark.parametrize("store", ["azurite", "folder"])
 def test_a_push_copies_the_folder_checkpoints_last_and_a_fresh_folder_pulls_it_back(
-    azurite: Azurite, tmp_path: Path
+    request: pytest.FixtureRequest, store: str, tmp_path: Path
 ) -> None:
-    url = f"az://{CONTAINER}/job-a"
+    """On a blob store, and on a folder store (file://, a share), whose folders must be made first."""
+    if store == "azurite":
+        azurite = request.getfixturevalue("azurite")
+        url = f"az://{CONTAINER}/job-a"
+
+        def stored_files() -> dict[str, bytes]:
+            return _blobs(azurite, "job-a")
+    else:
+        url = f"file://{tmp_path / 'share' / 'job-a'}"
+
+        def stored_files() -> dict[str, bytes]:
+            return _folder_store(tmp_path / "share" / "job-a")
+
     outputs = _job_folder(tmp_path / "here")
     first = _checkpoint(outputs, 3)
     uploaded: list[str] = []
@@ -79,7 +96,7 @@ def test_a_push_copies_the_folder_checkpoints_last_and_a_fresh_folder_pulls_it_b
     pushed = mirror.push()
     assert pushed.checkpoints == ["step-00000003"] and pushed.bytes > 1000
     assert uploaded[-1] == "checkpoints/step-00000003/manifest.json", "the manifest goes last"
-    stored = _blobs(azurite, "job-a")
+    stored = stored_files()
     assert stored["logs/rank-0.log"] == b"rank 0 says hello\n"
     assert stored["checkpoints/step-00000003/state.pt"] == (first / "state.pt").read_bytes()
     assert not any(name.startswith(("heartbeats/", ".clusterfit-lock")) for name in stored), "this node's own"
@@ -94,7 +111,7 @@ def test_a_push_copies_the_folder_checkpoints_last_and_a_fresh_folder_pulls_it_b
     assert [p.name for p in published(outputs.checkpoints)] == ["step-00000009", "step-00000006"]
     mirror.push()
     assert "logs/rank-0.log" in uploaded and "metrics.jsonl" not in uploaded
-    names = {name.split("/")[1] for name in _blobs(azurite, "job-a") if name.startswith("checkpoints/")}
+    names = {name.split("/")[1] for name in stored_files() if name.startswith("checkpoints/")}
     assert names == {"step-00000006", "step-00000009"}
 
     # A fresh machine: everything back, the newest checkpoint verified.

@@ -23,10 +23,12 @@ from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job
 from test_scoring import assert_every_good_image_scored_once, scoring_job
 from test_session import session_job
 
-from clusterfit.backends.ray import AgentState, job_exit_code
+from clusterfit.backends.ray import AgentState, check_shared_outputs, job_exit_code
+from clusterfit.errors import EngineError
 from clusterfit.outputs import JobOutputs, RecordKind, membership_changes, read_heartbeats, read_records
 from clusterfit.service.migrate import open_store
 from clusterfit.session.checkpoints import latest_checkpoint
+from clusterfit.storage.filesystems import cache_folder
 
 # One worker runs them all: they share one ray cluster, started once per session.
 pytestmark = pytest.mark.xdist_group("ray")
@@ -124,17 +126,37 @@ def test_no_cluster_at_the_address_is_named_without_a_traceback(tmp_path: Path) 
     assert len(lines) == 2, lines  # no worker started, so no "every rank's log is in ..."
 
 
+def test_a_node_that_does_not_see_the_launcher_s_outputs_folder_refuses_to_start(tmp_path: Path) -> None:
+    """A folder of the same name on a node's own disk would split the job's logs and checkpoints."""
+    launcher = JobOutputs.at(tmp_path / "out")
+    launcher.root.mkdir()
+    launcher.lock.write_text('{"job": "a1"}\n')
+    check_shared_outputs(launcher, '{"job": "a1"}\n', "10.0.0.2")
+    check_shared_outputs(JobOutputs.at(tmp_path / "elsewhere"), None, "10.0.0.2")  # no lock to compare: no check
+    with pytest.raises(EngineError, match=r"^outputs.dir .*/elsewhere on Ray node 10.0.0.2 is not the launcher's") as e:
+        check_shared_outputs(JobOutputs.at(tmp_path / "elsewhere"), '{"job": "a1"}\n', "10.0.0.2")
+    assert not e.value.retryable
+
+
 def test_example_job_trains_to_an_exported_model_on_two_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    out = tmp_path / "out"
+    """With its outputs at a URL (a folder store, file://): the nodes work in outputs.cache_dir, a folder both
+    see, and the store ends with the model, the checkpoints and both nodes' logs, and no writer."""
+    store, cache = tmp_path / "store", tmp_path / "shared-cache"
+    url = f"file://{store}"
+    out = cache_folder(url, cache)
     example = REPO / "examples" / "engines-tiny.yaml"  # the example every engine runs; only --set moves it to Ray
     result = subprocess.run(
-        cli_command("run", str(example), f"--set=outputs.dir={out}", *ON_RAY),
+        cli_command("run", str(example), f"--set=outputs.dir={url}", f"--set=outputs.cache_dir={cache}", *ON_RAY),
         env=ray_cluster.client_env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (store / "model" / "model.safetensors").read_bytes() == (out / "model" / "model.safetensors").read_bytes()
+    assert {"rank-0.log", "rank-1.log"} <= {path.name for path in (store / "logs").iterdir()}
+    assert list((store / "checkpoints").glob("step-*/manifest.json"))
+    assert not (store / ".clusterfit-writer.json").exists()
     assert (out / "model" / "model.safetensors").stat().st_size > 0
     assert (out / "model" / "model.torchscript.pt").stat().st_size > 0
     assert json.loads((out / "summary.json").read_text())["world_size"] == 2

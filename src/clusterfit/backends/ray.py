@@ -139,6 +139,25 @@ def job_environ(actor_environ: Mapping[str, str]) -> dict[str, str]:
     return {key: value for key, value in actor_environ.items() if key not in _RAY_SECRETS}
 
 
+def check_shared_outputs(outputs: JobOutputs, launcher_claim: str | None, node_ip: str) -> None:
+    """EngineError unless this node sees the launcher's outputs folder itself (its lock, as the launcher wrote
+    it): a folder of the same name on the node's own disk would split the job's logs and checkpoints."""
+    if launcher_claim is None or _read_or_none(outputs.lock) == launcher_claim:
+        return
+    raise EngineError(
+        f"outputs.dir {outputs.root} on Ray node {node_ip} is not the launcher's folder (its lock is missing or "
+        "another job's): put outputs.dir (with a URL, outputs.cache_dir) on a filesystem every node sees",
+        retryable=False,
+    )
+
+
+def _read_or_none(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
 class RayBackend:
     name = "ray"
 
@@ -207,6 +226,7 @@ class RayBackend:
                 files=rendered.files,
                 log_dir=str(JobOutputs.at(Path(spec.outputs.dir).resolve()).logs),
                 cwd=os.getcwd(),
+                outputs_claim=_read_or_none(JobOutputs.at(Path(spec.outputs.dir).resolve()).lock),
             )
             ray.get(
                 [
@@ -250,12 +270,13 @@ class AgentLaunch:
     files: dict[str, str]
     log_dir: str
     cwd: str
+    outputs_claim: str | None = None  # the launcher's lock in outputs.dir, which every node must see as it is
 
     def start(self, actor: Any, node: int, place: NodePlace) -> Any:
         command = node_command(
             self.spec, node, python=place.python, node_ip=place.ip, rdzv_endpoint=self.rdzv_endpoint, run_id=self.job_id
         )
-        return actor.start.remote(command, self.env, self.files, self.log_dir, self.cwd)
+        return actor.start.remote(command, self.env, self.files, self.log_dir, self.cwd, self.outputs_claim)
 
 
 @dataclass
@@ -395,13 +416,22 @@ class NodeAgent:
     def free_port(self) -> int:
         return free_port()
 
-    def start(self, command: list[str], env: dict[str, str], files: dict[str, str], log_dir: str, cwd: str) -> int:
+    def start(
+        self,
+        command: list[str],
+        env: dict[str, str],
+        files: dict[str, str],
+        log_dir: str,
+        cwd: str,
+        outputs_claim: str | None = None,
+    ) -> int:
         if not os.path.isdir(cwd):
             raise EngineError(
                 f"the launcher's working directory {cwd} does not exist on Ray node {self.where().ip}; run from a "
                 "folder every node sees (outputs.dir and data paths must be on a shared filesystem)",
                 retryable=False,
             )
+        check_shared_outputs(JobOutputs.at(Path(log_dir).parent), outputs_claim, self.where().ip)
         for path, content in files.items():
             write_atomically(Path(cwd, path), content)
         Path(log_dir).mkdir(parents=True, exist_ok=True)

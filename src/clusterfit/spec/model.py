@@ -699,18 +699,19 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _outputs_url_on_one_machine(self) -> JobSpec:
-        # NOTE: the job's supervisor uploads the outputs, so it must see the folder the workers write: on the
-        # local engine it does; on the others the workers' nodes are elsewhere.
+    def _outputs_url_where_the_supervisor_sees_it(self) -> JobSpec:
+        # NOTE: the job's supervisor uploads the outputs, so it must see the folder the workers write: on Ray and
+        # Slurm outputs.cache_dir must then be on a filesystem every node sees, as outputs.dir must without a
+        # URL; Kubernetes pods write to a volume claim the launcher does not see.
         if is_url(self.outputs.dir) and "?" in self.outputs.dir:
             raise ValueError(
                 "outputs.dir: a URL with a query string (a SAS token?) would be stored with the job; give the URL "
                 "alone and the token in storage.sas_token or the environment"
             )
-        if is_url(self.outputs.dir) and self.resources.backend != "local":
+        if is_url(self.outputs.dir) and self.resources.backend == "kubernetes":
             raise ValueError(
-                f"outputs.dir = {self.outputs.dir!r}: outputs at a URL work with the local engine so far; on "
-                f"{self.resources.backend} give a folder every node sees (a shared filesystem)"
+                f"outputs.dir = {self.outputs.dir!r}: on kubernetes the outputs are on the volume claim "
+                "(resources.kubernetes.outputs_claim); give a path there"
             )
         return self
 

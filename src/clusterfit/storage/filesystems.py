@@ -56,6 +56,8 @@ def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
                 options["sas_token"] = creds.sas_token
     elif protocol in ("s3", "s3a") and creds.endpoint:
         options["client_kwargs"] = {"endpoint_url": creds.endpoint}
+    elif protocol in ("file", "local"):
+        options["auto_mkdir"] = True  # a folder store has folders: writing logs/rank-0.log needs logs/ first
     try:
         fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError as exc:

@@ -113,7 +113,6 @@ class OutputsMirror:
             if current is not None and current.job != job and current.alive(ttl_s):
                 raise self._in_use(current)
             me = StoreWriter.this_process(job)
-            self.fs.makedirs(self.root, exist_ok=True)  # a folder store (file://) writes no file into a missing one
             self._write_writer(me)
             time.sleep(settle_s)
             current = self._read_writer()
