@@ -5,8 +5,10 @@ stopped after."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -14,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 from azurite import free_port
@@ -21,6 +24,18 @@ from azurite import free_port
 RAY = str(Path(sys.executable).with_name("ray"))  # the venv's ray, so Ray's workers run the venv's python
 _MEMORY = str(2 * 1024**3)  # Ray would count the host's memory once per node and overcommit it
 _OBJECT_STORE = str(200 * 1024**2)
+_ANSWER = b"answer: "
+# A Ray driver answering the tests' questions, one line each, for as long as the tests ask.
+_PROBE = f"""
+import json, sys, ray
+ray.init()
+for question in sys.stdin:
+    if question.strip() == "nodes":
+        answer = sum(node["Alive"] for node in ray.nodes())
+    else:
+        answer = {{g["name"]: g["state"] for g in ray.util.placement_group_table().values()}}
+    print("{_ANSWER.decode()}" + json.dumps(answer), flush=True)
+"""
 
 
 class RayCluster:
@@ -31,6 +46,8 @@ class RayCluster:
         self.address = f"127.0.0.1:{self.port}"
         self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
         self.nodes: list[subprocess.Popen[bytes]] = []
+        self._probe: subprocess.Popen[bytes] | None = None  # the connected driver that _ask() asks
+        self._probe_output = b""  # what it printed that is not read yet
 
     def client_env(self, **extra: str) -> dict[str, str]:
         """The current environment plus what a launcher needs to join this cluster: the address and the token."""
@@ -83,34 +100,60 @@ class RayCluster:
         ]
 
     def alive_nodes(self) -> int:
-        result = subprocess.run(
-            [sys.executable, "-c", "import ray; ray.init(); print(sum(n['Alive'] for n in ray.nodes()))"],
-            env={**self.client_env(), "RAY_LOG_TO_STDERR": "0"},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        lines = result.stdout.strip().splitlines()
-        return int(lines[-1]) if result.returncode == 0 and lines and lines[-1].isdigit() else 0
+        answer = self._ask("nodes")
+        return answer if isinstance(answer, int) else 0
 
     def placement_groups(self) -> dict[str, str]:
         """Name -> state of every placement group the cluster knows."""
-        script = (
-            "import json, ray; ray.init(); "
-            "print(json.dumps({g['name']: g['state'] for g in ray.util.placement_group_table().values()}))"
-        )
-        result = subprocess.run(
-            [sys.executable, "-c", script], env=self.client_env(), capture_output=True, text=True, timeout=120
-        )
-        assert result.returncode == 0, result.stderr
-        import json
+        answer = self._ask("placement groups")
+        assert isinstance(answer, dict), "the Ray driver that the tests ask could not connect"
+        return answer
 
-        return json.loads(result.stdout.strip().splitlines()[-1])
+    def _ask(self, question: str) -> Any:
+        """One answer from a Ray driver that stays connected between questions: a new driver per question cost
+        about 2.5 s of CPU each (interpreter, ray, ray.init). A driver that died or could not connect yet (the
+        head still starting) is started again next time; None when it does not answer."""
+        if self._probe is None or self._probe.poll() is not None:
+            self._probe = subprocess.Popen(
+                [sys.executable, "-c", _PROBE],
+                env={**self.client_env(), "RAY_LOG_TO_STDERR": "0"},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+            )
+            self._probe_output = b""
+        probe = self._probe
+        assert probe.stdin is not None and probe.stdout is not None
+        try:
+            probe.stdin.write(question.encode() + b"\n")
+            probe.stdin.flush()
+        except OSError:  # it died (could not connect)
+            probe.wait()
+            return None
+        deadline = time.monotonic() + 120
+        while (left := deadline - time.monotonic()) > 0:
+            line, newline, rest = self._probe_output.partition(b"\n")
+            if newline:
+                self._probe_output = rest
+                if line.startswith(_ANSWER):
+                    return json.loads(line[len(_ANSWER) :])
+                continue  # something Ray printed
+            readable, _, _ = select.select([probe.stdout], [], [], left)
+            chunk = os.read(probe.stdout.fileno(), 65536) if readable else b""
+            if not chunk:  # the driver ended, or never answered: a new one next time
+                break
+            self._probe_output += chunk
+        probe.kill()
+        probe.wait()
+        return None
 
     def stop(self) -> None:
         """Every process of both nodes: SIGTERM to each `ray start --block`, which stops its node's daemons
         (a SIGTERM to their whole group makes it wait half a minute for them instead), SIGKILL to what
         remains of its group, then to anything left that runs from the cluster's temp folder."""
+        if self._probe is not None:
+            self._probe.kill()
+            self._probe.wait()
         for node in reversed(self.nodes):
             node.terminate()
         for node in self.nodes:
