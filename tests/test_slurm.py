@@ -28,6 +28,7 @@ from clusterfit.backends.slurm import SCRIPT, sbatch_script
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.migrate import open_store
 from clusterfit.spec import validate_spec
+from clusterfit.storage.filesystems import cache_folder
 
 # One worker runs them all: they share one slurm cluster, started once per session.
 pytestmark = pytest.mark.xdist_group("slurm")
@@ -86,13 +87,21 @@ def _worker_pids(spec_path: Path) -> list[int]:
 
 
 def test_example_job_runs_to_completion_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
-    out = tmp_path / "out"
+    """With its outputs at a URL (a folder store, file://): the job works in outputs.cache_dir, on the cluster's
+    shared filesystem, and the store ends with the model, both ranks' logs and no writer."""
+    store, cache = tmp_path / "store", tmp_path / "shared-cache"
+    url = f"file://{store}"
+    out = cache_folder(url, cache)
     example = REPO / "examples" / "engines-tiny.yaml"  # the example every engine runs; only --backend differs
-    result = run_cli("run", str(example), "--backend", "slurm", "--set", f"outputs.dir={out}", cwd=tmp_path)
+    sets = ["--set", f"outputs.dir={url}", "--set", f"outputs.cache_dir={cache}"]
+    result = run_cli("run", str(example), "--backend", "slurm", *sets, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "[rank1] " in result.stdout and "exported" in result.stdout  # both ranks' logs streamed
     assert exported_weights(out)
     assert "#SBATCH --nodes=1" in (out / "slurm" / "job.sbatch").read_text()
+    assert (store / "model" / "model.safetensors").read_bytes() == (out / "model" / "model.safetensors").read_bytes()
+    assert {"rank-0.log", "rank-1.log"} <= {path.name for path in (store / "logs").iterdir()}
+    assert not (store / ".clusterfit-writer.json").exists()
 
 
 def test_a_scoring_job_scores_every_image_once_under_sbatch(
