@@ -39,3 +39,11 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_text_or_none(path: Path) -> str | None:
+    """The file's text, or None when it cannot be read (missing, a folder, no permission)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return None

@@ -41,7 +41,7 @@ from clusterfit.backends.torchrun import (
     worker_env,
 )
 from clusterfit.errors import ClusterfitError, EngineError, SpecError
-from clusterfit.files import write_atomically
+from clusterfit.files import read_text_or_none, write_atomically
 from clusterfit.network import free_port
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, is_running, kill_if_same, process_start_time, stop_with_parent
@@ -142,20 +142,13 @@ def job_environ(actor_environ: Mapping[str, str]) -> dict[str, str]:
 def check_shared_outputs(outputs: JobOutputs, launcher_claim: str | None, node_ip: str) -> None:
     """EngineError unless this node sees the launcher's outputs folder itself (its lock, as the launcher wrote
     it): a folder of the same name on the node's own disk would split the job's logs and checkpoints."""
-    if launcher_claim is None or _read_or_none(outputs.lock) == launcher_claim:
+    if launcher_claim is None or read_text_or_none(outputs.lock) == launcher_claim:
         return
     raise EngineError(
         f"outputs.dir {outputs.root} on Ray node {node_ip} is not the launcher's folder (its lock is missing or "
         "another job's): put outputs.dir (with a URL, outputs.cache_dir) on a filesystem every node sees",
         retryable=False,
     )
-
-
-def _read_or_none(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
 
 
 class RayBackend:
@@ -226,7 +219,7 @@ class RayBackend:
                 files=rendered.files,
                 log_dir=str(JobOutputs.at(Path(spec.outputs.dir).resolve()).logs),
                 cwd=os.getcwd(),
-                outputs_claim=_read_or_none(JobOutputs.at(Path(spec.outputs.dir).resolve()).lock),
+                outputs_claim=read_text_or_none(JobOutputs.at(Path(spec.outputs.dir).resolve()).lock),
             )
             ray.get(
                 [

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clusterfit.files import write_atomically
+from clusterfit.files import read_text_or_none, write_atomically
 from clusterfit.spec.model import JobSpec, StorageSpec, is_url
 from clusterfit.storage.checksums import sha256_of
 from clusterfit.storage.filesystems import (
@@ -87,7 +87,7 @@ def stage(
     target.mkdir(parents=True, exist_ok=True)
     report = StageReport(url=url, local=target / DATA_DIR)
     with FileLock(str(target) + ".lock"):
-        if run_token and _read_text(target / VERIFIED) == run_token and (target / MANIFEST).is_file():
+        if run_token and read_text_or_none(target / VERIFIED) == run_token and (target / MANIFEST).is_file():
             manifest = json.loads((target / MANIFEST).read_text())
             report.files, report.bytes, report.reused = len(manifest["files"]), _total(manifest), True
             return report
@@ -266,13 +266,6 @@ def _read_journal(path: Path) -> dict[str, dict[str, Any]]:
 
 def _rewrite_journal(path: Path, entries: dict[str, dict[str, Any]]) -> None:
     write_atomically(path, "".join(json.dumps({"file": k, **v}) + "\n" for k, v in entries.items()))
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
-        return None
 
 
 def stage_inputs(spec: JobSpec, run_token: str, log: Callable[[str], None] = print) -> JobSpec:
