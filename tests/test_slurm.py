@@ -155,6 +155,14 @@ def test_a_job_of_the_job_service_gets_none_of_the_server_s_environment_on_slurm
     assert env["FROM_SPEC"] == "yes" and env["SLURM_CONF"] == slurm.env["SLURM_CONF"]
     assert not {"SERVER_ONLY_SECRET", "CLUSTERFIT_HOME"} & set(env), sorted(env)
 
+    # A root server that runs its jobs as another account (--job-user) would have Slurm run this one as root.
+    monkeypatch.setenv("CLUSTERFIT_JOB_USER", "nobody")  # what `clusterfit server --job-user` sets, as root
+    refused = submit(write_job(tmp_path / "job.yaml", {**job, "outputs": {"dir": str(tmp_path / "refused")}}))
+    assert ended(refused) == "FAILED"
+    shown = run_cli("show", refused).stdout
+    assert "a Slurm job runs as the user who submits it (root here); run the server as nobody" in shown, shown
+    assert not (tmp_path / "refused" / "logs" / "rank-0.log").exists()
+
 
 def _long_job(out: Path) -> dict:
     job = tiny_job(out, steps_per_epoch=100_000, norm_layer="group", log_every_steps=1)

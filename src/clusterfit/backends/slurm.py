@@ -171,9 +171,17 @@ class SlurmBackend:
             secret_env=storage_secret_env(spec),
         )
 
-    def submit(self, spec: JobSpec, *, confined: bool = False) -> PolledRun:
+    def submit(self, spec: JobSpec, *, confined: bool = False, user: str | None = None) -> PolledRun:
         """`confined`: a job of the job service, whose sbatch (which exports its environment to the job) gets the
-        allow-listed job environment and the operator's Slurm settings, never the supervisor's own."""
+        allow-listed job environment and the operator's Slurm settings, never the supervisor's own. `user`: the
+        account a root server runs its jobs as, which a Slurm job cannot be given yet: refused, since the job
+        would run as root, who submits it."""
+        if user is not None:
+            raise EngineError(
+                f"this job service runs as root and runs its jobs as --job-user {user}, but a Slurm job runs as the "
+                f"user who submits it (root here); run the server as {user} or another unprivileged account",
+                retryable=False,
+            )
         if shutil.which("sbatch") is None:
             raise EngineError(
                 "resources.backend = 'slurm' but sbatch is not on PATH; run on a Slurm login node", retryable=False

@@ -158,11 +158,10 @@ class Supervisor:
         agent_log_start = agent_log.stat().st_size if agent_log.exists() else 0
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
-            if self.confined and backend.name == "local":
+            # The engines that start a job from this process: its environment and its user would reach the job.
+            if self.confined and backend.name in ("local", "slurm"):
                 user = (os.environ.get(JOB_USER_ENV) or None) if os.geteuid() == 0 else None
                 handle = backend.submit(spec, confined=True, user=user)  # type: ignore[call-arg]
-            elif self.confined and backend.name == "slurm":  # sbatch hands its own environment to the job
-                handle = backend.submit(spec, confined=True)  # type: ignore[call-arg]
             else:
                 handle = backend.submit(spec)
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
