@@ -1,70 +1,158 @@
-"""Staging throughput from a real Azure Blob Storage emulator (Azurite): many small files vs one large file.
+"""Staging throughput from a real Azure Blob Storage emulator (Azurite), against what the store itself serves.
 
-Starts Azurite on 127.0.0.1 as the tests do (their helper installs it with npm on first use), uploads
-FILES objects of FILE_KB each (incompressible bytes, like JPEGs) and one object of the same total size, then
-times `clusterfit.data.staging.stage` on each: the copy a job's workers make with `mode: download`
-(parallel transfers, sha256 of every file, journal, manifest). Uploads are not timed.
+Starts Azurite on 127.0.0.1 as the tests do (their helper installs it with npm on first use), uploads FILES
+objects of FILE_KB each (incompressible bytes, like JPEGs) and one object of the same total size. Uploads are not
+timed. Then, in rotating order for `--rounds` rounds:
 
-    python benchmarks/staging.py --files 2000 --file-kb 110 --workers 8
+- the store's ceiling: raw concurrent GETs with the Azure SDK's async client, each object read into memory, at
+  every concurrency of `--ceiling-concurrency` (each round starts with a different one);
+- the same GETs written to plain files, with nothing else (what the node's disk adds);
+- `clusterfit.data.staging.stage` of the small files and of the large file: the copy a job's workers make with
+  `mode: download` (`--workers` transfers at a time, sha256 of every file, journal, manifest).
+
+Prints the median and range of each, and staging's median as a fraction of the best ceiling median.
+
+    python benchmarks/staging.py --files 1000 --file-kb 110 --workers 32 --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import resource
+import shutil
+import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from azure.storage.blob import BlobServiceClient  # noqa: E402
+from azure.storage.blob.aio import ContainerClient  # noqa: E402
 from azurite import Azurite  # noqa: E402 - the tests' helper: one way to start the emulator
 
 from clusterfit.bench.data import machine_description  # noqa: E402
-from clusterfit.data.staging import Credentials, StageReport, stage  # noqa: E402
+from clusterfit.data.staging import Credentials, stage  # noqa: E402
 
 CONTAINER = "bench"
 
 
-def upload(service: BlobServiceClient, files: int, file_kb: int) -> None:
+def upload(service: BlobServiceClient, names: list[str], file_kb: int) -> None:
     container = service.get_container_client(CONTAINER)
-    for index in range(files):
-        container.upload_blob(f"small/c{index % 10}/{index:06d}.jpg", os.urandom(file_kb * 1000), overwrite=True)
-    container.upload_blob("large/one.bin", os.urandom(files * file_kb * 1000), overwrite=True, max_concurrency=4)
+    for name in names:
+        container.upload_blob(name, os.urandom(file_kb * 1000), overwrite=True)
+    container.upload_blob("large/one.bin", os.urandom(len(names) * file_kb * 1000), overwrite=True, max_concurrency=4)
 
 
-def row(name: str, report: StageReport) -> str:
-    return (
-        f"| {name} | {report.copied_files} | {report.copied_bytes / 1e6:.1f} | {report.seconds:.2f} | "
-        f"{report.mb_per_s:.1f} | {report.copied_files / max(report.seconds, 1e-9):.0f} |"
-    )
+async def raw_gets(connection_string: str, names: list[str], concurrency: int, into: Path | None) -> None:
+    """Every object by one GET, `concurrency` in flight; each written to a file under `into` when given."""
+    async with ContainerClient.from_connection_string(connection_string, CONTAINER) as container:
+        pending = iter(names)
+
+        async def getter() -> None:
+            for name in pending:
+                body = await (await container.download_blob(name)).readall()
+                if into is not None:
+                    (into / name).write_bytes(body)
+
+        await asyncio.gather(*(getter() for _ in range(concurrency)))
+
+
+def timed(run: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds, this process's CPU seconds) of one call."""
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.perf_counter()
+    run()
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    return time.perf_counter() - started, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--files", type=int, default=2000, help="number of small files")
+    parser.add_argument("--files", type=int, default=1000, help="number of small files")
     parser.add_argument("--file-kb", type=int, default=110, help="size of each small file (ImageNet's mean JPEG)")
-    parser.add_argument("--workers", type=int, default=8, help="parallel transfers (trainer.data.stage_workers)")
+    parser.add_argument("--workers", type=int, default=32, help="parallel transfers (trainer.data.stage_workers)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every measurement, in rotating order")
+    parser.add_argument(
+        "--ceiling-concurrency", default="1,8,32,64", help="comma-separated GETs in flight for the ceiling"
+    )
+    parser.add_argument("--cache-dir", default=None, help="where the copies go (default: a temporary folder)")
     args = parser.parse_args(argv)
+    concurrencies = [int(c) for c in args.ceiling_concurrency.split(",")]
+    names = [f"small/c{index % 10}/{index:06d}.jpg" for index in range(args.files)]
+    megabytes = args.files * args.file_kb / 1000
+    results: dict[str, list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="clusterfit-staging-bench-") as tmp:
+        cache = Path(args.cache_dir or tmp) / "bench-cache"
         server = Azurite(Path(tmp) / "azurite")
         server.start()
         try:
-            service = BlobServiceClient.from_connection_string(server.connection_string())
+            connection = server.connection_string()
+            service = BlobServiceClient.from_connection_string(connection)
             service.create_container(CONTAINER)
-            upload(service, args.files, args.file_kb)
-            os.environ["AZURE_STORAGE_CONNECTION_STRING"] = server.connection_string()
-            small = stage(f"az://{CONTAINER}/small", Path(tmp) / "cache", Credentials(), workers=args.workers)
-            large = stage(f"az://{CONTAINER}/large", Path(tmp) / "cache", Credentials(), workers=args.workers)
+            upload(service, names, args.file_kb)
+            os.environ["AZURE_STORAGE_CONNECTION_STRING"] = connection
+
+            def emptied(folder: Path) -> Path:
+                shutil.rmtree(folder, ignore_errors=True)
+                return folder
+
+            def fresh(folder: Path) -> Path:
+                emptied(folder)
+                for parent in {(folder / name).parent for name in names}:
+                    parent.mkdir(parents=True, exist_ok=True)
+                return folder
+
+            measures: dict[str, Callable[[], object]] = {
+                **{
+                    f"ceiling: GETs into memory, {c} in flight": (
+                        lambda c=c: asyncio.run(raw_gets(connection, names, c, None))
+                    )
+                    for c in concurrencies
+                },
+                f"GETs into files, {args.workers} in flight": lambda: asyncio.run(
+                    raw_gets(connection, names, args.workers, fresh(cache / "plain"))
+                ),
+                f"clusterfit staging, {args.workers} transfers": lambda: stage(
+                    f"az://{CONTAINER}/small", emptied(cache / "staged"), Credentials(), workers=args.workers
+                ),
+                f"clusterfit staging, 1 file of {megabytes:.0f} MB": lambda: stage(
+                    f"az://{CONTAINER}/large", emptied(cache / "large"), Credentials(), workers=args.workers
+                ),
+            }
+            order = list(measures)
+            for round_index in range(args.rounds):
+                shift = round_index % len(order)
+                for name in order[shift:] + order[:shift]:
+                    results.setdefault(name, []).append(timed(measures[name]))
         finally:
             server.stop()
+            shutil.rmtree(cache, ignore_errors=True)
+
+    def mb_per_s(name: str) -> list[float]:
+        return [megabytes / wall for wall, _ in results[name]]
+
     print(f"machine: {machine_description()}")
-    print(f"Azurite on 127.0.0.1, {args.workers} parallel transfers, sha256 of every file\n")
-    print("| source | files | MB | seconds | MB/s | files/s |")
-    print("|---|---:|---:|---:|---:|---:|")
-    print(row(f"{args.files} files of {args.file_kb} KB", small))
-    print(row(f"1 file of {args.files * args.file_kb / 1000:.1f} MB", large))
+    print(f"Azurite on 127.0.0.1 (sharing the cores), {args.files} files of {args.file_kb} KB, {args.rounds} rounds\n")
+    print("| measurement | MB/s median | range | files/s | client CPU s per 1000 files |")
+    print("|---|---:|---:|---:|---:|")
+    for name in results:
+        speeds = mb_per_s(name)
+        median = statistics.median(speeds)
+        cpu = statistics.median(c for _, c in results[name]) * 1000 / args.files
+        files_per_s = median / megabytes * (1 if "1 file" in name else args.files)
+        print(f"| {name} | {median:.1f} | {min(speeds):.1f}–{max(speeds):.1f} | {files_per_s:.0f} | {cpu:.2f} |")
+    best = max((n for n in results if n.startswith("ceiling")), key=lambda n: statistics.median(mb_per_s(n)))
+    staged = statistics.median(mb_per_s(f"clusterfit staging, {args.workers} transfers"))
+    plain = statistics.median(mb_per_s(f"GETs into files, {args.workers} in flight"))
+    ceiling = statistics.median(mb_per_s(best))
+    print(f"\nsmall-file staging: {staged / ceiling:.2f}x the best ceiling ({best})")
+    print(f"small-file staging: {staged / plain:.2f}x plain GETs into files")
     return 0
 
 

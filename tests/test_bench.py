@@ -33,13 +33,25 @@ def test_bench_data_refuses_fewer_images_than_a_batch() -> None:
 @pytest.mark.skipif(bool(skip_reason("azurite")), reason=str(skip_reason("azurite")))
 def test_staging_benchmark_script_against_azurite() -> None:
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "staging.py"), "--files", "3", "--file-kb", "4", "--workers", "2"],
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "staging.py"),
+            *("--files", "3", "--file-kb", "4", "--workers", "2", "--rounds", "2", "--ceiling-concurrency", "1,2"),
+        ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr
-    assert "| 3 files of 4 KB | 3 |" in result.stdout and "| 1 file of 0.0 MB | 1 |" in result.stdout
+    rows = [line.split(" | ")[0].lstrip("| ") for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert rows[1:] == [
+        "ceiling: GETs into memory, 1 in flight",
+        "ceiling: GETs into memory, 2 in flight",
+        "GETs into files, 2 in flight",
+        "clusterfit staging, 2 transfers",
+        "clusterfit staging, 1 file of 0 MB",
+    ]
+    assert "small-file staging: " in result.stdout
 
 
 def test_the_baselines_ship_inside_the_package_and_run_from_anywhere(tmp_path, monkeypatch) -> None:

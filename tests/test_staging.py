@@ -22,7 +22,16 @@ from torch.utils.data import DataLoader
 
 from clusterfit.data.shardreader import ShardTrainSamples, as_is
 from clusterfit.data.shards import PackedIndex, pack_folder, read_index, read_remote_index
-from clusterfit.data.staging import JOURNAL, MANIFEST, Credentials, cache_folder, open_filesystem, stage
+from clusterfit.data.staging import (
+    JOURNAL,
+    MANIFEST,
+    WHOLE_FILE_MAX,
+    Credentials,
+    StagingError,
+    cache_folder,
+    open_filesystem,
+    stage,
+)
 from clusterfit.data.transforms import TrainCrop
 from clusterfit.models import build_model
 
@@ -131,6 +140,49 @@ def test_interrupted_staging_resumes_after_the_service_restarts(azurite: Azurite
     assert resumed >= journaled >= 10
     local = target / "data"
     assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()} == files
+
+
+def test_small_files_in_one_request_each_and_a_large_one_streamed(azurite: Azurite, tmp_path: Path) -> None:
+    """Images come whole, many in flight; a file past the whole-file size streams in ranged reads; both verified."""
+    source = tmp_path / "mixed"
+    for index in range(40):
+        (source / f"c{index % 4}").mkdir(parents=True, exist_ok=True)
+        (source / f"c{index % 4}" / f"{index:03d}.jpg").write_bytes(os.urandom(1000 + 97 * index))
+    (source / "big.bin").write_bytes(os.urandom(WHOLE_FILE_MAX + 12345))
+    files = _upload(azurite, source, "mixed")
+    url = f"az://{CONTAINER}/mixed"
+    report = _stage_in_process(azurite, url, tmp_path / "cache", workers=8)
+    assert (report.copied_files, report.copied_bytes) == (41, sum(len(b) for b in files.values()))
+    local = report.local
+    assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()} == files
+    manifest = json.loads((local.parent / MANIFEST).read_text())["files"]
+    assert {rel: entry["sha256"] for rel, entry in manifest.items()} == {
+        rel: hashlib.sha256(body).hexdigest() for rel, body in files.items()
+    }
+
+
+def test_an_object_gone_mid_copy_is_one_line_and_the_finished_files_stay(azurite: Azurite, tmp_path: Path) -> None:
+    source = tmp_path / "vanishing"
+    for index in range(6):
+        (source / "c0").mkdir(parents=True, exist_ok=True)
+        (source / "c0" / f"{index}.jpg").write_bytes(os.urandom(2000))
+    _upload(azurite, source, "vanishing")
+    container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
+    url = f"az://{CONTAINER}/vanishing"
+
+    def delete_the_last_once(rel: str) -> None:  # after the listing, before the last file's turn (one transfer)
+        if rel == "c0/0.jpg":
+            container.delete_blob("vanishing/c0/5.jpg")
+
+    with pytest.raises(StagingError) as raised:
+        _stage_in_process(azurite, url, tmp_path / "cache", workers=1, on_file=delete_the_last_once)
+    assert (
+        str(raised.value)
+        == f"{url}: copying 5.jpg stopped: not found; check the container and path; run again to resume"
+    )
+    assert not raised.value.retryable
+    journaled = (cache_folder(url, tmp_path / "cache") / JOURNAL).read_text().splitlines()
+    assert [json.loads(line)["file"] for line in journaled] == [f"c0/{index}.jpg" for index in range(5)]
 
 
 def test_part_file_continues_from_its_length(tmp_path: Path) -> None:

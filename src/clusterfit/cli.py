@@ -692,7 +692,7 @@ def data_stage(
     cache_dir: Annotated[str, typer.Argument(metavar="DIR", help="The node-local cache folder.")],
     account_name: Annotated[Optional[str], typer.Option(help="Storage account (az://).")] = None,  # noqa: UP045
     endpoint: Annotated[Optional[str], typer.Option(help="Service endpoint URL (emulators).")] = None,  # noqa: UP045
-    workers: Annotated[int, typer.Option(min=1, max=64, help="Parallel transfers.")] = 8,
+    workers: Annotated[int, typer.Option(min=1, max=128, help="Parallel transfers.")] = 32,
 ) -> None:
     """Copy a dataset from object storage into DIR, verified and resumable, as a job's workers would.
 

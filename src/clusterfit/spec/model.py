@@ -48,7 +48,7 @@ class DataSpec(_Strict):
         description="URLs: download = copied once per node into cache_dir; direct = packed shards streamed, no copy",
     )
     cache_dir: str = Field("~/.cache/clusterfit/data", description="node-local folder for staged URLs")
-    stage_workers: int = Field(8, ge=1, le=64, description="parallel transfers when staging")
+    stage_workers: int = Field(32, ge=1, le=128, description="parallel transfers when staging")
     image_size: int = Field(
         224, ge=16, le=1024, description="the network's input side; the default of train_crop_size and val_crop_size"
     )
@@ -588,7 +588,7 @@ class ScorerSpec(_Strict):
     )
     csv: bool = Field(False, description="also write predictions.csv")
     cache_dir: str = Field("~/.cache/clusterfit/data", description="node-local folder for a staged URL input")
-    stage_workers: int = Field(8, ge=1, le=64, description="parallel transfers when staging")
+    stage_workers: int = Field(32, ge=1, le=128, description="parallel transfers when staging")
 
 
 # Variables that change how a program is loaded or which program runs: a job setting them would run code of its
