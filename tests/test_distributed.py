@@ -240,9 +240,11 @@ def test_imagefolder_end_to_end(tmp_path: Path, tiny_imagefolder: Path) -> None:
             "loader_workers": 1,
             "max_bad_fraction": 0.1,
         },
+        checkpoint={"min_interval_s": 0.001},  # due at each epoch's end, as rank 0's clock tells both ranks
     )
     result = _run_ok(write_job(tmp_path / "job.yaml", job))
     out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000003", "step-00000006"]
     assert "[rank0]" in result.stdout and "[rank1]" in result.stdout
 
     summary = json.loads((out / "summary.json").read_text())

@@ -136,10 +136,15 @@ def stopped_early(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]
         optimizer={"lr": 1.0, "weight_decay": 0.0},
         augment={"mixup_alpha": 0.2, "cutmix_alpha": 1.0},
         data={"train": str(data / "train"), "val": str(data / "val"), "num_classes": None},
+        checkpoint={"min_interval_s": 3600},  # the job's seconds-long epochs: only the early stop's end is saved
     )
     spec = write_job(root / "job.yaml", job)
     result = run_cli("run", str(spec))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (
+        "checkpoints: every 100 steps, at an epoch's end once 3600 s have passed since the last one "
+        "(checkpoint.min_interval_s), and at the last epoch" in result.stdout
+    )
     assert "mixup alpha=0.2, cutmix alpha=1" in result.stdout
     assert "stopping early: val_top1 reached" in result.stdout
     return spec, out
@@ -159,6 +164,8 @@ def test_clipped_mixed_training_stops_at_its_target_and_a_rerun_does_not_train_o
     assert (stopped["reason"], stopped["metric"], stopped["epoch"]) == ("stop_at", "val_top1", 2)
     assert stopped["elapsed_s"] == summary["epochs"][1]["elapsed_s"]
     assert summary["steps"] == 4
+    # Epoch 1 (step 2) came 3600 s too soon after the start for a checkpoint; the early stop's epoch is saved.
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000004"]
     card = json.loads((out / "model" / "model_card.json").read_text())
     assert "val_top1" in card["metrics"]
     # Per-class accuracy and the confusion matrix of the last validation agree with its totals.

@@ -46,6 +46,17 @@ from clusterfit.worker.stopping import EarlyStop, best_record, early_stop, is_ne
 log = logging.getLogger("clusterfit.train")
 
 
+def describe_cadence(every_steps: int | None, min_interval_s: float) -> str:
+    """When a job checkpoints, as its log says at the start."""
+    steps = f"every {every_steps} steps, " if every_steps else ""
+    if min_interval_s == 0:
+        return f"{steps}at every epoch's end"
+    return (
+        f"{steps}at an epoch's end once {min_interval_s:g} s have passed since the last one "
+        "(checkpoint.min_interval_s), and at the last epoch"
+    )
+
+
 @dataclass
 class Progress:
     """Where training stands; saved in every checkpoint so a rerun continues from here."""
@@ -162,6 +173,7 @@ class Trainer:
         self.progress = Progress()
         self.last_confusion: list[list[int]] | None = None  # of this run's last validation
         self.resumed_from = self._restore()
+        self.last_checkpoint_at = time.monotonic()  # or the start: the interval between epoch-end checkpoints
         self.elapsed_before = self.progress.elapsed_s
         # A rerun of a job that already stopped early must not train on.
         self.stopped_early: EarlyStop | None = early_stop(
@@ -194,6 +206,7 @@ class Trainer:
                 self.steps_per_epoch,
                 cfg.epochs,
             )
+            log.info("checkpoints: %s", describe_cadence(cfg.checkpoint.every_steps, cfg.checkpoint.min_interval_s))
         self.sinks.write(
             {
                 "kind": RecordKind.START,
@@ -217,8 +230,9 @@ class Trainer:
                 record["elapsed_s"] = round(self._elapsed(), 3)
                 progress.history.append(record)
                 progress.epoch, progress.step_in_epoch = progress.epoch + 1, 0
-                self._save_checkpoint()
                 self.stopped_early = early_stop(progress.history, cfg.stop_at, cfg.early_stopping)
+                if progress.epoch == cfg.epochs or self.stopped_early is not None or self._epoch_checkpoint_due():
+                    self._save_checkpoint()
                 if self.stopped_early is not None and self.env.is_main:
                     log.info("stopping early: %s", self.stopped_early.describe())
         except StoppedForRequeue:
@@ -316,6 +330,16 @@ class Trainer:
         self.scheduler.step()
         if self.ema is not None:
             self.ema.update(self.strategy.module, self.progress.global_step + 1)
+
+    def _epoch_checkpoint_due(self) -> bool:
+        """Collective: whether this epoch's end is checkpointed. Rank 0's clock decides for every rank (a save
+        is collective): seconds-long epochs would otherwise stand still for a checkpoint after each one."""
+        every = self.cfg.checkpoint.every_steps
+        if self.cfg.checkpoint.min_interval_s == 0 or every and self.progress.global_step % every == 0:
+            return True
+        waited = time.monotonic() - self.last_checkpoint_at
+        due = self.env.is_main and waited >= self.cfg.checkpoint.min_interval_s
+        return all_reduce_sum([float(due)], self.env, self.device)[0] > 0
 
     def _validates_after(self, epoch: int) -> bool:
         """Whether the 0-based `epoch` ends with a validation: every Nth epoch and the last one."""
@@ -446,6 +470,7 @@ class Trainer:
         }
         path = self.store.save(self.progress.global_step, shared, capture_rng(self.device), info)
         stalled = time.perf_counter() - started  # how long training stood still for this checkpoint
+        self.last_checkpoint_at = time.monotonic()
         self.sinks.write(
             {"kind": RecordKind.CHECKPOINT, "step": self.progress.global_step, "stall_s": stalled, "time": time.time()}
         )
