@@ -156,13 +156,16 @@ def build_val_loader(
             DataLoader(shards, batch_size=None, num_workers=workers, pin_memory=pin_memory, collate_fn=as_is)
         )
     dataset = LabeledImages(list_samples(data.val, facts.classes), transform, substitute=False)
+    workers = loader_workers(data, local_world_size)
     loader = DataLoader(
         dataset,
         batch_size=trainer.batch_size,
         sampler=ShardSampler(len(dataset), rank, world_size),
-        num_workers=loader_workers(data, local_world_size),
+        num_workers=workers,
         pin_memory=pin_memory,
         collate_fn=collate_labeled,
+        # Kept between validations: starting workers anew cost more than a small validation set's decoding.
+        persistent_workers=workers > 0,
     )
     return CountedBatches(loader)
 
