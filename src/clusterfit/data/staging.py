@@ -273,32 +273,39 @@ def _fetch_concurrently(
     keep: Callable[[str, bytes], None],
 ) -> None:
     """Each file in one GET, `concurrency` of them in flight on the filesystem's event loop, each handed to
-    `keep` as it arrives. A thread per transfer through fsspec's blocking wrapper (and a HEAD request per file
-    to open it) capped small files at a third of what the store serves."""
+    `keep` (hashing and writing) on a thread as it arrives. A thread per transfer through fsspec's blocking
+    wrapper (and a HEAD request per file to open it) capped small files at a third of what the store serves.
+    Returns, or raises the first error, only once no `keep` runs any more: the caller's journal and lock
+    outlive every write into the cache."""
     if not items:
         return
     from fsspec.asyn import sync
 
-    async def fetch_all() -> None:
+    async def fetch_all(writers: ThreadPoolExecutor) -> None:
         pending = iter(items)
+        loop = asyncio.get_running_loop()
 
         async def fetcher() -> None:
-            for rel, _size in pending:  # one iterator shared by every fetcher: each file is taken once
+            for rel, size in pending:  # one iterator shared by every fetcher: each file is taken once
                 try:
-                    body = await fs._cat_file(f"{folder}/{rel}")
+                    # At most a byte more than listed: an object that grew since is caught, not held whole (an
+                    # empty one is read plainly: stores refuse a range of an empty object).
+                    end = size + 1 if size else None
+                    body = await fs._cat_file(f"{folder}/{rel}", start=0 if size else None, end=end)
                 except Exception as exc:  # noqa: BLE001 - connection errors of every backend
                     raise _copy_stopped(url, rel, exc, creds) from None
-                await asyncio.to_thread(keep, rel, body)  # hashing and writing off the loop that does the I/O
+                await loop.run_in_executor(writers, keep, rel, body)
 
-        fetchers = [asyncio.ensure_future(fetcher()) for _ in range(min(concurrency, len(items)))]
+        fetchers = [asyncio.ensure_future(fetcher()) for _ in range(max(1, min(concurrency, len(items))))]
         try:
             await asyncio.gather(*fetchers)
-        finally:  # one failed: the others stop too, and are awaited before the error is raised
+        finally:  # one failed: the others stop fetching too, and are awaited before the error is raised
             for task in fetchers:
                 task.cancel()
             await asyncio.gather(*fetchers, return_exceptions=True)
 
-    sync(fs.loop, fetch_all)
+    with ThreadPoolExecutor(thread_name_prefix="staging-write") as writers:  # exits once every write ended
+        sync(fs.loop, fetch_all, writers)
 
 
 def _write_part(local: Path, body: bytes) -> str:
