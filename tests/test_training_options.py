@@ -269,7 +269,8 @@ def test_the_best_validation_s_weights_are_exported(tmp_path: Path, tiny_imagefo
         export_weights="best",
         best_metric="val_top1",
         optimizer={"lr": 1e-6},
-        checkpoint={"every_steps": None, "keep": 3},
+        # Epochs 1 and 2 come long before the interval: epoch 1 is saved as the best, epoch 3 as the last.
+        checkpoint={"every_steps": None, "keep": 3, "min_interval_s": 3600},
         data={"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "num_classes": None},
     )
     job["distribution"]["process_count_per_instance"] = 1
@@ -279,6 +280,7 @@ def test_the_best_validation_s_weights_are_exported(tmp_path: Path, tiny_imagefo
     assert len({e["val_top1"] for e in summary["epochs"]}) == 1 and summary["exported_epoch"] == 1
     assert "exporting the weights of epoch 1, the best val_top1" in result.stdout
 
+    assert sorted(p.name for p in (out / "checkpoints").glob("step-*")) == ["step-00000002", "step-00000006"]
     exported = exported_weights(out)
     first, last = (torch.load(out / "checkpoints" / f"step-{s:08d}" / "state.pt")["model"] for s in (2, 6))
     assert all(torch.equal(exported[k], first[k]) for k in first)

@@ -131,12 +131,12 @@ class ScheduleSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
-    every_steps: int | None = Field(200, ge=1, description="null = only at the end of each epoch")
+    every_steps: int | None = Field(200, ge=1, description="null = only at epochs' ends")
     min_interval_s: float = Field(
         60.0,
         ge=0,
         description="an epoch's end is checkpointed once this long has passed since the last checkpoint (0: every "
-        "epoch's end); the last epoch, an early stop and every_steps always are",
+        "epoch's end); the last epoch, an early stop, a new best (export_weights: best) and every_steps always are",
     )
     keep: int = Field(3, ge=1)
     async_save: bool = Field(

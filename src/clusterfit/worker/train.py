@@ -172,6 +172,7 @@ class Trainer:
         self.ema = WeightAverage(self.strategy.module, self.cfg.ema, self.device) if self.cfg.ema else None
         self.progress = Progress()
         self.last_confusion: list[list[int]] | None = None  # of this run's last validation
+        self.best_kept_at: int | None = None  # the epoch whose validated weights are the best kept so far
         self.resumed_from = self._restore()
         self.last_checkpoint_at = time.monotonic()  # or the start: the interval between epoch-end checkpoints
         self.elapsed_before = self.progress.elapsed_s
@@ -333,9 +334,16 @@ class Trainer:
 
     def _epoch_checkpoint_due(self) -> bool:
         """Collective: whether this epoch's end is checkpointed. Rank 0's clock decides for every rank (a save
-        is collective): seconds-long epochs would otherwise stand still for a checkpoint after each one."""
+        is collective): seconds-long epochs would otherwise stand still for a checkpoint after each one.
+        An epoch whose weights were kept as the best is always saved: a rerun from an older checkpoint would
+        otherwise hold a best-weights file that its history does not name."""
         every = self.cfg.checkpoint.every_steps
-        if self.cfg.checkpoint.min_interval_s == 0 or every and self.progress.global_step % every == 0:
+        if (
+            self.cfg.checkpoint.min_interval_s == 0
+            or every
+            and self.progress.global_step % every == 0
+            or self.best_kept_at == self.progress.epoch
+        ):
             return True
         waited = time.monotonic() - self.last_checkpoint_at
         due = self.env.is_main and waited >= self.cfg.checkpoint.min_interval_s
@@ -413,6 +421,7 @@ class Trainer:
         metric = self.cfg.best_metric
         if self.cfg.export_weights != "best" or not is_new_best(self.progress.history, metric, record[metric]):
             return
+        self.best_kept_at = self.progress.epoch + 1  # every rank: this epoch's end is checkpointed (see run())
         if self.env.is_main:
             state = {name: t.detach().float().cpu().contiguous() for name, t in model.state_dict().items()}
             epoch = str(self.progress.epoch + 1)
