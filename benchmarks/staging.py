@@ -10,15 +10,19 @@ timed. Then, in rotating order for `--rounds` rounds:
 - `clusterfit.data.staging.stage` of the small files and of the large file: the copy a job's workers make with
   `mode: download` (`--workers` transfers at a time, sha256 of every file, journal, manifest).
 
-Prints the median and range of each, and staging's median as a fraction of the best ceiling median.
+Prints the median and range of each, and staging's median as a fraction of the best ceiling median. With
+`--previous FILE`, another version of `clusterfit/data/staging.py` is measured in the same rotation.
 
     python benchmarks/staging.py --files 1000 --file-kb 110 --workers 32 --rounds 3
+    git show HEAD~5:src/clusterfit/data/staging.py > /tmp/old_staging.py
+    python benchmarks/staging.py --cache-dir /dev/shm --previous /tmp/old_staging.py
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import resource
 import shutil
@@ -28,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -62,6 +67,16 @@ async def raw_gets(connection_string: str, names: list[str], concurrency: int, i
         await asyncio.gather(*(getter() for _ in range(concurrency)))
 
 
+def load_module(path: Path) -> Any:
+    """A Python file as a module of its own name, so that its dataclasses resolve."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def timed(run: Callable[[], object]) -> tuple[float, float]:
     """(wall seconds, this process's CPU seconds) of one call."""
     before = resource.getrusage(resource.RUSAGE_SELF)
@@ -82,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         "--ceiling-concurrency", default="1,8,32,64", help="comma-separated GETs in flight for the ceiling"
     )
     parser.add_argument("--cache-dir", default=None, help="where the copies go (default: a temporary folder)")
+    parser.add_argument(
+        "--previous",
+        type=Path,
+        default=None,
+        help="another version of clusterfit/data/staging.py to measure beside this one, e.g. from "
+        "`git show COMMIT:src/clusterfit/data/staging.py > old_staging.py`",
+    )
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.ceiling_concurrency.split(",")]
     names = [f"small/c{index % 10}/{index:06d}.jpg" for index in range(args.files)]
@@ -98,15 +120,15 @@ def main(argv: list[str] | None = None) -> int:
             upload(service, names, args.file_kb)
             os.environ["AZURE_STORAGE_CONNECTION_STRING"] = connection
 
-            def emptied(folder: Path) -> Path:
-                shutil.rmtree(folder, ignore_errors=True)
-                return folder
+            def emptied(*folders: Path) -> None:
+                for folder in folders:
+                    shutil.rmtree(folder, ignore_errors=True)
 
-            def fresh(folder: Path) -> Path:
-                emptied(folder)
+            async def gets_into_files() -> None:
+                folder = cache / "plain"
                 for parent in {(folder / name).parent for name in names}:
                     parent.mkdir(parents=True, exist_ok=True)
-                return folder
+                await raw_gets(connection, names, args.workers, folder)
 
             measures: dict[str, Callable[[], object]] = {
                 **{
@@ -115,20 +137,24 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     for c in concurrencies
                 },
-                f"GETs into files, {args.workers} in flight": lambda: asyncio.run(
-                    raw_gets(connection, names, args.workers, fresh(cache / "plain"))
-                ),
+                f"GETs into files, {args.workers} in flight": lambda: asyncio.run(gets_into_files()),
                 f"clusterfit staging, {args.workers} transfers": lambda: stage(
-                    f"az://{CONTAINER}/small", emptied(cache / "staged"), Credentials(), workers=args.workers
+                    f"az://{CONTAINER}/small", cache / "staged", Credentials(), workers=args.workers
                 ),
                 f"clusterfit staging, 1 file of {megabytes:.0f} MB": lambda: stage(
-                    f"az://{CONTAINER}/large", emptied(cache / "large"), Credentials(), workers=args.workers
+                    f"az://{CONTAINER}/large", cache / "large", Credentials(), workers=args.workers
                 ),
             }
+            if args.previous is not None:
+                previous = load_module(args.previous)
+                measures[f"previous staging ({args.previous.name}), {args.workers} transfers"] = lambda: previous.stage(
+                    f"az://{CONTAINER}/small", cache / "staged", previous.Credentials(), workers=args.workers
+                )
             order = list(measures)
             for round_index in range(args.rounds):
                 shift = round_index % len(order)
                 for name in order[shift:] + order[:shift]:
+                    emptied(cache / "plain", cache / "staged", cache / "large")  # not timed
                     results.setdefault(name, []).append(timed(measures[name]))
         finally:
             server.stop()
@@ -153,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = statistics.median(mb_per_s(best))
     print(f"\nsmall-file staging: {staged / ceiling:.2f}x the best ceiling ({best})")
     print(f"small-file staging: {staged / plain:.2f}x plain GETs into files")
+    if args.previous is not None:
+        before = statistics.median(mb_per_s(f"previous staging ({args.previous.name}), {args.workers} transfers"))
+        print(f"small-file staging: {staged / before:.2f}x the previous version")
     return 0
 
 
