@@ -185,6 +185,7 @@ class Trainer:
             samples_per_epoch=self.steps_per_epoch * self.global_batch,
             max_bad_fraction=self.cfg.data.max_bad_fraction,
             env=env,
+            device=self.device,
         )
         self.sinks = open_metric_sinks(self.out, env.is_main)
         self.stop_signal = StopSignal(env, self.device)
