@@ -3,9 +3,12 @@
 `stage(url, cache_dir)` makes `cache_dir/<digest of url>/data` a verified copy of everything under `url`:
 
 - one process per node does the copying: the others block on a file lock, then find it done;
-- files are copied in parallel; each is written to `NAME.part`, checked (size from the listing; sha256
+- files are copied in parallel: from a store with an event loop (az://, s3://, gs://), a file of up to
+  `WHOLE_FILE_MAX` in one GET, `workers` in flight (so at most that many held in memory); any other in
+  ranged reads on `workers` threads. Each is written to `NAME.part`, checked (size from the listing; sha256
   against the packed-dataset index for shards) and renamed; a journal records every finished file, so an
-  interrupted copy resumes where it stopped (a `.part` file continues from its length by a ranged read);
+  interrupted copy resumes where it stopped (a large file's `.part` continues from its length by a ranged
+  read; a small one is fetched again);
 - `manifest.json` (size and sha256 per file) is written last; a later job reuses the copy after checking
   every file against it, and copies again what does not match.
 
