@@ -1,11 +1,11 @@
 """checkpoints/: the published-checkpoint index, and the one rule by which a checkpoint is published.
 
-Two kinds share the folder and the rule. The built-in trainer's `step-NNNNNNNN/` holds `state.pt` (rank 0's
-full state) and `rank-NNNNN.pt` (each rank's RNG state); a user script's (clusterfit.session) holds one folder
-`rank-NNNNN/` per rank with whatever that rank wrote. Both end with `manifest.json` (size and sha256 of every
-file, the step, the world size), written last: a folder without a manifest was never published, and a folder
-is only published once every rank's part is there. Torch-free, so the launcher, the job service and user
-scripts of any framework read it; the worker's CheckpointStore writes and loads the trainer's tensors."""
+Two kinds share the folder and the rule. The built-in trainer's `step-NNNNNNNN/` holds `state.pt` (the full
+state) and `rank-NNNNN.pt` (each rank's RNG state), all written by rank 0; a user script's (clusterfit.session)
+holds one folder `rank-NNNNN/` per rank with whatever that rank wrote. Both end with `manifest.json` (size and
+sha256 of every file, the step, the world size), written last: a folder without a manifest was never published,
+and a folder is only published once every rank's part is there. Torch-free, so the launcher, the job service and
+user scripts of any framework read it; the worker's CheckpointStore writes and loads the trainer's tensors."""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ class CheckpointSpec(_Strict):
     async_save: bool = Field(
         False,
         description="copy the state in memory and write it in a background thread while training goes on; "
-        "published only once every rank's part is on disk, one save in flight, the last one finished before export",
+        "rank 0 writes and publishes it, one save in flight, the last one finished before export",
     )
 
 

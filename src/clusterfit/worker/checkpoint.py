@@ -1,11 +1,14 @@
-"""Checkpoints that survive crashes: written to a temp folder, published by one rename once every
-rank has written its part, verified by checksum on load, never unpickling code.
+"""Checkpoints that survive crashes: written to a temp folder, published by one rename, verified by checksum on
+load, never unpickling code.
 
-With `async_save`, the training loop only waits for a copy of the state in memory; a background thread per
-rank serializes and writes that rank's part, and rank 0's thread publishes once every rank's part is on disk.
-The background threads coordinate through the files themselves (each part appears by rename once durable),
-never through collectives: a gloo collective from a second thread would interleave with the training
-loop's collectives on the same process group and corrupt both."""
+Rank 0 writes the whole checkpoint: the shared state and every rank's own part (its RNG state, a few KB, gathered
+to rank 0 by one collective when the save starts). So no rank waits for another's file, and a job whose nodes
+share no folder (outputs at a URL on Ray) publishes from rank 0's node alone; every node reads its own part back
+from the copy it pulls at start.
+
+With `async_save`, the training loop only waits for the gather and a copy of the state in memory; a background
+thread on rank 0 serializes, writes and publishes. That thread never runs a collective: a gloo collective from a
+second thread would interleave with the training loop's collectives on the same process group and corrupt both."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clusterfit.files import fsync_dir, write_atomically, write_durably
+from clusterfit.files import fsync_dir, write_durably
 from clusterfit.outputs.checkpoints import (
     SHARED_STATE,
     TMP_PREFIX,
@@ -32,9 +35,8 @@ from clusterfit.outputs.checkpoints import (
     published,
     rank_file,
     read_manifest,
-    wait_for_parts,
 )
-from clusterfit.worker.dist import DistEnv, barrier
+from clusterfit.worker.dist import DistEnv, gather_to_main
 
 log = logging.getLogger(__name__)
 
@@ -76,72 +78,56 @@ def restore_rng(state: dict[str, Any], device: torch.device) -> None:
 
 
 class CheckpointStore:
-    def __init__(
-        self, root: str | Path, keep: int, env: DistEnv, async_save: bool = False, part_timeout_s: float = 1800
-    ) -> None:
+    def __init__(self, root: str | Path, keep: int, env: DistEnv, async_save: bool = False) -> None:
         self.root = Path(root)
         self.keep = keep
         self.env = env
         self.async_save = async_save
-        self.part_timeout_s = part_timeout_s  # rank 0 gives up publishing when another rank's part never comes
         self._background: _BackgroundSave | None = None
 
     def complete(self) -> list[Path]:
         return published(self.root)
 
     def save(self, step: int, shared: dict[str, Any], own: dict[str, Any], info: dict[str, Any]) -> Path:
-        """Collective: every rank calls it. `shared` is written by rank 0 only, `own` by every rank.
-        Synchronous: returns once published. Asynchronous: returns once the state is copied; `wait()` ends it."""
+        """Collective: every rank calls it with its `own` state; rank 0 writes it all. Synchronous: returns once
+        published. Asynchronous: returns once the state is gathered and copied; `wait()` ends it."""
         self.wait()  # at most one save in flight; the previous one is published before the next starts
         final = self.root / checkpoint_name(step)
+        owns = gather_to_main(own, self.env)  # every rank's, on rank 0; None elsewhere
+        if owns is None:
+            return final
         tmp = self.root / f"{TMP_PREFIX}{checkpoint_name(step)}"
-        if self.env.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        barrier(self.env)
         if not self.async_save:
-            self._write_part(tmp, shared, own)
-            # NOTE: the checkpoint only exists once every rank has written its part.
-            barrier(self.env)
-            if self.env.is_main:
-                self._publish(tmp, final, step, info)
+            self._write_and_publish(tmp, final, step, info, shared, owns)
             return final
         # The loop mutates parameters and optimizer buffers in place from the next step on: write a copy.
-        snapshot = _detached_copy(shared), _detached_copy(own)
         self._background = _BackgroundSave(
-            target=self._write_and_publish, args=(tmp, final, step, info, *snapshot), name=f"checkpoint-{step}"
+            target=self._write_and_publish,
+            args=(tmp, final, step, info, _detached_copy(shared), owns),
+            name=f"checkpoint-{step}",
         )
         self._background.start()
         return final
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is written and, on rank 0, published; re-raise its error."""
+        """Block until the save in flight (if any) is written and published; re-raise its error."""
         background, self._background = self._background, None
         if background is not None:
             background.finish()
 
     def _write_and_publish(
-        self, tmp: Path, final: Path, step: int, info: dict[str, Any], shared: dict[str, Any], own: dict[str, Any]
+        self, tmp: Path, final: Path, step: int, info: dict[str, Any], shared: dict[str, Any], owns: list[Any]
     ) -> None:
-        self._write_part(tmp, shared, own)
-        if self.env.is_main:
-            # NOTE: the checkpoint only exists once every rank's part is durable; a part appears by rename.
-            expected = [tmp / rank_file(rank) for rank in range(self.env.world_size)]
-            wait_for_parts(expected, self.part_timeout_s, step)
-            self._publish(tmp, final, step, info)
-            log.info("checkpoint %s", final)
-
-    def _write_part(self, tmp: Path, shared: dict[str, Any], own: dict[str, Any]) -> None:
-        if self.env.is_main:
-            write_durably(tmp / SHARED_STATE, _serialize(shared))
-        # A part appears whole or not at all: rank 0 publishes as soon as every part's name exists.
-        write_atomically(tmp / rank_file(self.env.rank), _serialize(own), durable=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write_durably(tmp / SHARED_STATE, _serialize(shared))
+        for rank, own in enumerate(owns):
+            write_durably(tmp / rank_file(rank), _serialize(own))
         fsync_dir(tmp)
-
-    def _publish(self, tmp: Path, final: Path, step: int, info: dict[str, Any]) -> None:
         manifest = {"step": step, "world_size": self.env.world_size, "created": time.time(), **info}
         publish(tmp, final, manifest, self.keep)
+        log.info("checkpoint %s", final)
 
     def load_latest(self, device: torch.device) -> LoadedCheckpoint | None:
         """The newest checkpoint that verifies; corrupt ones are reported and skipped, never deleted."""

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ __all__ = [
     "DistEnv",
     "all_reduce_sum",
     "barrier",
+    "gather_to_main",
     "init_distributed",
     "pick_device",
     "read_dist_env",
@@ -47,6 +49,15 @@ def shutdown_distributed() -> None:
 def barrier(env: DistEnv) -> None:
     if env.is_distributed:
         dist.barrier()
+
+
+def gather_to_main(value: Any, env: DistEnv) -> list[Any] | None:
+    """Every rank's `value` (a picklable object), in rank order, on rank 0; None on the other ranks."""
+    if not env.is_distributed:
+        return [value]
+    gathered: list[Any] | None = [None] * env.world_size if env.is_main else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
 
 
 def all_reduce_sum(values: list[float], env: DistEnv, device: torch.device) -> list[float]:
