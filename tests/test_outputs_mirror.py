@@ -20,7 +20,7 @@ from clusterfit.errors import OutputsInUse
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import checkpoint_name, publish, published, verify
 from clusterfit.storage.filesystems import Credentials, StorageError
-from clusterfit.storage.outputs_mirror import OutputsMirror, StoreWriter, Uploader, check_store
+from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror, StoreWriter, Uploader, check_store
 
 CONTAINER = "outputs"
 
@@ -122,6 +122,73 @@ def test_a_push_copies_the_folder_checkpoints_last_and_a_fresh_folder_pulls_it_b
     assert [p.name for p in published(fresh.checkpoints)] == ["step-00000009"]
     assert verify(fresh.checkpoints / "step-00000009") is None
     assert not fresh.heartbeats.exists()
+
+
+@pytest.mark.parametrize("store", ["azurite", "folder"])
+def test_nodes_without_a_shared_folder_share_the_store(
+    request: pytest.FixtureRequest, store: str, tmp_path: Path
+) -> None:
+    """Outputs at a URL on Ray: the launcher's copy and two nodes' own folders. The nodes get the launcher's
+    job.yaml, the launcher reads their logs (growing in place) and heartbeats back, and a user script's rank 1
+    part reaches rank 0's node through the store, where the checkpoint is published and goes up whole."""
+    url = f"az://{CONTAINER}/job-nodes" if store == "azurite" else f"file://{tmp_path / 'share' / 'job-nodes'}"
+    if store == "azurite":
+        request.getfixturevalue("azurite")
+    launcher_copy = JobOutputs.at(tmp_path / "launcher")
+    launcher_copy.logs.mkdir(parents=True)
+    launcher_copy.resolved_spec.write_text("name: job\n")
+    launcher = OutputsMirror(launcher_copy, url, Credentials(), role=MirrorRole.LAUNCHER)
+    launcher.push()
+    node0, node1 = JobOutputs.at(tmp_path / "node0"), JobOutputs.at(tmp_path / "node1")
+    mirrors = [OutputsMirror(folder, url, Credentials(), role=MirrorRole.NODE) for folder in (node0, node1)]
+    for mirror in mirrors:
+        mirror.pull()
+    assert node1.resolved_spec.read_text() == "name: job\n"
+
+    node1.resolved_spec.write_text("outputs: {dir: node1}\n")  # each node's own job.yaml stays its own
+    node1.logs.mkdir(parents=True, exist_ok=True)
+    node1.rank_log(1).write_text("rank 1 starts\n")
+    node1.heartbeats.mkdir()
+    node1.heartbeat(1).write_text('{"step": 1}')
+    tmp = ".tmp-step-00000004.run1"
+    (node1.checkpoints / tmp / "rank-00001").mkdir(parents=True)
+    (node1.checkpoints / tmp / "rank-00001" / "weights.bin").write_bytes(b"one" * 100)
+    (node1.checkpoints / tmp / "rank-00001.writing").mkdir()  # still being written: not a part yet
+    mirrors[1].push()
+    launcher.push()
+    assert launcher_copy.rank_log(1).read_text() == "rank 1 starts\n"
+    assert launcher_copy.heartbeat(1).read_text() == '{"step": 1}'
+    assert launcher_copy.resolved_spec.read_text() == "name: job\n"
+    following = launcher_copy.rank_log(1).open()  # as `clusterfit run` follows it
+    assert following.read() == "rank 1 starts\n"
+    with node1.rank_log(1).open("a") as log:
+        log.write("rank 1 at step 4\n")
+    node1.heartbeat(1).write_text('{"step": 4}')  # as long as before: the store's time tells it changed
+    mirrors[1].push()
+    launcher.push()
+    assert following.read() == "rank 1 at step 4\n", "new bytes appended to the file its follower has open"
+    assert launcher_copy.heartbeat(1).read_text() == '{"step": 4}'
+
+    # Rank 0's node: its own part is there, so it fetches rank 1's and publishes.
+    here = node0.checkpoints / tmp
+    (here / "rank-00000").mkdir(parents=True)
+    (here / "rank-00000" / "weights.bin").write_bytes(b"zero" * 100)
+    mirrors[0].push()
+    assert (here / "rank-00001" / "weights.bin").read_bytes() == b"one" * 100
+    assert not (here / "rank-00001.writing").exists()
+    publish(
+        here,
+        node0.checkpoints / checkpoint_name(4),
+        {"step": 4, "world_size": 2, "parts": ["rank-00000", "rank-00001"]},
+        keep=2,
+    )
+    assert mirrors[0].push().checkpoints == ["step-00000004"]
+    fresh = JobOutputs.at(tmp_path / "fresh")
+    assert OutputsMirror(fresh, url, Credentials()).pull().checkpoints == ["step-00000004"]
+    assert (fresh.checkpoints / "step-00000004" / "rank-00001" / "weights.bin").read_bytes() == b"one" * 100
+    assert not list(fresh.checkpoints.glob(".tmp-*")), "the parts left the store once the checkpoint was there"
+    assert fresh.resolved_spec.read_text() == "name: job\n"
+    following.close()
 
 
 def test_an_upload_cut_off_by_the_store_going_down_is_never_resumed_from(own_azurite: Azurite, tmp_path: Path) -> None:

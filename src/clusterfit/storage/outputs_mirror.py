@@ -9,6 +9,11 @@ store a copy of it, from a process that is not training (the job's supervisor), 
   rotated away locally are deleted from the store once a newer one is complete there.
 - `pull()` makes a fresh node's folder the store's: files missing here are downloaded, and the newest complete
   checkpoint in the store (verified against its manifest after the download) unless one as new is here.
+- Where the nodes share no folder (outputs at a URL on Ray), each node works in a folder of its own and the store
+  is what they share (`MirrorRole`): each node's mirror uploads what its ranks write, heartbeats included;
+  checkpoint parts of other ranks come to the node of rank 0 through the store before it publishes; and the
+  launcher's copy only uploads its own files (job.yaml, code/, supervisor.log) and reads the rest back, logs
+  by appending what is new so a follower of them sees them grow.
 - `claim()` makes a job the one writer of the store's copy, as the local lock does for a folder: a record in the
   store names the job, its machine and process, renewed at every push. Another job finds it and stops in one
   line while that writer lives: a process of this machine is checked directly; one elsewhere counts as alive
@@ -20,8 +25,10 @@ Torch-free. Credentials come from the job's storage section or the environment a
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
+import re
 import shutil
 import socket
 import threading
@@ -33,15 +40,65 @@ from typing import Any
 
 from clusterfit.errors import ClusterfitError, OutputsInUse
 from clusterfit.outputs import JobOutputs
-from clusterfit.outputs.checkpoints import MANIFEST, STEP_PREFIX, TMP_PREFIX, published, verify
-from clusterfit.outputs.layout import CHECKPOINT_DIR, HEARTBEAT_DIR, LOCK_FILE, WRITER_FILE
+from clusterfit.outputs.checkpoints import (
+    MANIFEST,
+    STEP_PREFIX,
+    TMP_PREFIX,
+    published,
+    rank_folder,
+    verify,
+)
+from clusterfit.outputs.layout import (
+    CHECKPOINT_DIR,
+    CODE_DIR,
+    HEARTBEAT_DIR,
+    LOCK_FILE,
+    LOG_DIR,
+    METRICS_FILE,
+    RESOLVED_SPEC,
+    SUPERVISOR_LOG,
+    TENSORBOARD_DIR,
+    WRITER_FILE,
+)
 from clusterfit.processes import is_running, process_start_time
 from clusterfit.storage.filesystems import Credentials, StorageError, open_filesystem, public, storage_error
 
-# This node's own: the lock of the running job, and heartbeats that mean nothing once read elsewhere; and the
-# store's own record of its writer.
-_NOT_MIRRORED = {LOCK_FILE, HEARTBEAT_DIR, WRITER_FILE}
+# This folder's own lock, and the store's own record of its writer: never copied either way.
+_NOT_MIRRORED = {LOCK_FILE, WRITER_FILE}
 _FINAL_TRIES = 4
+_LAUNCHER_FILES = (RESOLVED_SPEC, CODE_DIR, f"{LOG_DIR}/{SUPERVISOR_LOG}")
+# Files only ever appended to: the launcher's copy takes only their new bytes, so their followers see them grow.
+_APPENDED = (LOG_DIR, METRICS_FILE, TENSORBOARD_DIR)
+_PART = re.compile(r"rank-\d{5}")  # a user script's rank's part of a checkpoint (the trainer's rank 0 writes all)
+_SENT = ".sent"  # beside a part in the store once all of it is there
+
+
+class MirrorRole(str, enum.Enum):
+    """Which copy of a job's outputs this is, and so what it writes to the store and what it reads back.
+
+    FOLDER: the job's one folder, which every node writes (a path they all see): all of it goes up but the
+        heartbeats, which mean nothing once read elsewhere.
+    NODE: one node's own folder, where nodes share no folder: what its ranks write goes up, heartbeats too (the
+        launcher reads them from the store); its ranks' checkpoint parts go to the node of rank 0 through the store.
+    LAUNCHER: the launcher's copy beside such nodes: it writes job.yaml, code/ and its supervisor.log, and reads
+        everything else back as the nodes write it."""
+
+    FOLDER = "folder"
+    NODE = "node"
+    LAUNCHER = "launcher"
+
+    def writes(self, rel: str) -> bool:
+        """Whether this copy puts the file at `rel` (a path inside the folder) into the store."""
+        launchers = _under(rel, _LAUNCHER_FILES)
+        if self is MirrorRole.LAUNCHER:
+            return launchers
+        if self is MirrorRole.NODE:
+            return not launchers
+        return not _under(rel, (HEARTBEAT_DIR,))
+
+
+def _under(rel: str, names: tuple[str, ...]) -> bool:
+    return any(rel == name or rel.startswith(name + "/") for name in names)
 
 
 def writer_ttl_s(upload_every_s: float) -> float:
@@ -96,13 +153,21 @@ class Transfer:
 
 class OutputsMirror:
     def __init__(
-        self, outputs: JobOutputs, url: str, creds: Credentials, on_file: Callable[[str], None] | None = None
+        self,
+        outputs: JobOutputs,
+        url: str,
+        creds: Credentials,
+        on_file: Callable[[str], None] | None = None,
+        role: MirrorRole = MirrorRole.FOLDER,
     ) -> None:
-        self.outputs, self.url, self.creds = outputs, url, creds
+        self.outputs, self.url, self.creds, self.role = outputs, url, creds, role
         self.fs, self.root = open_filesystem(url, creds)
         _fail_fast(self.fs)
         self.on_file = on_file  # hears each file's path inside the folder once it is in the store
-        self._sent: dict[str, tuple[int, int]] = {}  # path inside the folder -> (size, mtime_ns) when uploaded
+        # path inside the folder -> (size, mtime_ns) when uploaded, or when downloaded (then it is the store's)
+        self._sent: dict[str, tuple[int, int]] = {}
+        self._seen: dict[str, tuple[int, str]] = {}  # launcher: path -> the store's (size, modified) read back
+        self._parts_sent: set[str] = set()  # node: "<tmp folder>/<part>" put into the store
         self._writer: StoreWriter | None = None  # set by claim(): every push renews it first
 
     def claim(self, job: str, ttl_s: float, settle_s: float = 1.0) -> None:
@@ -168,24 +233,37 @@ class OutputsMirror:
         self.fs.pipe_file(self._writer_path, json.dumps(asdict(writer)).encode())
 
     def push(self) -> Transfer:
-        """Upload what changed here since the last push; StorageError (retryable if unreachable) on failure."""
+        """Upload what this copy writes and changed here since the last push; a node's copy also trades checkpoint
+        parts, and the launcher's reads back what the nodes wrote. StorageError (retryable if unreachable)."""
         started, moved = time.perf_counter(), Transfer()
         try:
             self._renew()
             for path in self._plain_files():
-                self._upload_if_changed(path, moved)
-            kept = published(self.outputs.checkpoints)
-            for checkpoint in reversed(kept):  # oldest first: the newest is complete last
-                if self._upload_checkpoint(checkpoint, moved):
-                    moved.checkpoints.append(checkpoint.name)
-            if kept:
-                self._delete_rotated({p.name for p in kept}, oldest_kept=kept[-1].name)
+                if self.role.writes(path.relative_to(self.outputs.root).as_posix()):
+                    self._upload_if_changed(path, moved)
+            if self.role is MirrorRole.NODE:
+                self._trade_parts(moved)
+            if self.role is MirrorRole.LAUNCHER:
+                self._read_back(moved)
+            else:
+                self._push_checkpoints(moved)
         except StorageError:
             raise
         except Exception as exc:  # noqa: BLE001 - every store's SDK raises its own types
             raise storage_error(f"outputs.dir = {public(self.url)!r}: uploading", exc, self.creds) from None
         moved.seconds = time.perf_counter() - started
         return moved
+
+    def _push_checkpoints(self, moved: Transfer) -> None:
+        kept = published(self.outputs.checkpoints)
+        for checkpoint in reversed(kept):  # oldest first: the newest is complete last
+            if self._upload_checkpoint(checkpoint, moved):
+                moved.checkpoints.append(checkpoint.name)
+        # A node that only pulled a checkpoint at its start is not the one that rotates them.
+        if kept and (self.role is MirrorRole.FOLDER or moved.checkpoints):
+            self._delete_rotated({p.name for p in kept}, oldest_kept=kept[-1].name)
+        if self.role is MirrorRole.NODE and moved.checkpoints:
+            self._forget_parts(moved.checkpoints[-1])
 
     def pull(self, *, checkpoints: bool = True) -> Transfer:
         """Download the files this folder lacks and (with `checkpoints`) the store's newest complete checkpoint,
@@ -195,8 +273,8 @@ class OutputsMirror:
             remote = self._remote_files()
             for rel, size in sorted(remote.items()):
                 top = rel.split("/", 1)[0]
-                if top in _NOT_MIRRORED or top == CHECKPOINT_DIR and rel.count("/") > 1:
-                    continue  # checkpoint folders come whole, below
+                if top in (*_NOT_MIRRORED, HEARTBEAT_DIR) or top == CHECKPOINT_DIR and rel.count("/") > 1:
+                    continue  # an earlier run's heartbeats say nothing; checkpoint folders come whole, below
                 local = self.outputs.root / rel
                 if not local.exists():
                     self._download(rel, local, moved, size)
@@ -263,14 +341,19 @@ class OutputsMirror:
             if name.startswith(STEP_PREFIX) and name not in kept and name < oldest_kept:
                 self.fs.rm(f"{folder}/{name}", recursive=True)
 
-    def _remote_files(self) -> dict[str, int]:
-        """Path inside the folder -> size, for every file in the store's copy."""
-        if not self.fs.exists(self.root):
+    def _remote_files(self, under: str = "") -> dict[str, int]:
+        """Path inside the folder -> size, for every file in the store's copy (under `under` only, if given)."""
+        return {rel: size for rel, (size, _) in self._remote_listing(under).items()}
+
+    def _remote_listing(self, under: str = "") -> dict[str, tuple[int, str]]:
+        """Path inside the folder -> (size, when it was last modified, as the store says it)."""
+        top = f"{self.root}/{under}".rstrip("/")
+        if not self.fs.exists(top):
             return {}
-        found = self.fs.find(self.root, detail=True)
+        found = self.fs.find(top, detail=True)
         prefix = self.root.rstrip("/") + "/"
         return {
-            name[len(prefix) :]: int(info.get("size") or 0)
+            name[len(prefix) :]: (int(info.get("size") or 0), _modified(info))
             for name, info in found.items()
             if info.get("type") == "file" and name.startswith(prefix)
         }
@@ -281,6 +364,75 @@ class OutputsMirror:
         self.fs.get_file(f"{self.root}/{rel}", str(part))
         os.replace(part, local)
         moved.files, moved.bytes = moved.files + 1, moved.bytes + size
+        if local.is_relative_to(self.outputs.root):  # the store's already: not uploaded back unless changed here
+            stat = local.stat()
+            self._sent[local.relative_to(self.outputs.root).as_posix()] = (stat.st_size, stat.st_mtime_ns)
+
+    def _read_back(self, moved: Transfer) -> None:
+        """The launcher's copy: every file the nodes changed in the store since the last look, checkpoints aside
+        (the nodes resume from the store's). Logs and metrics only grow, so only their new bytes come, appended."""
+        for rel, (size, modified) in sorted(self._remote_listing().items()):
+            if self._seen.get(rel) == (size, modified):
+                continue
+            top = rel.split("/", 1)[0]
+            if top in _NOT_MIRRORED or top == CHECKPOINT_DIR or self.role.writes(rel) or rel.endswith(_SENT):
+                continue
+            local = self.outputs.root / rel
+            have = local.stat().st_size if local.is_file() else -1
+            if rel not in self._seen and have == size:
+                pass  # this copy had it already (pulled at the start)
+            elif _under(rel, _APPENDED) and 0 < have < size:
+                with open(local, "ab") as f:
+                    f.write(self.fs.cat_file(f"{self.root}/{rel}", start=have, end=size))
+                moved.files, moved.bytes = moved.files + 1, moved.bytes + size - have
+            else:
+                self._download(rel, local, moved, size)
+            self._seen[rel] = (size, modified)
+
+    def _trade_parts(self, moved: Transfer) -> None:
+        """A node's copy and the checkpoints a user script's ranks are writing (`.tmp-*` folders, each rank's part a
+        folder appearing whole): where rank 0's part is here, the checkpoint is published here, so the other
+        ranks' parts are fetched from the store into it; elsewhere this node's parts are put into the store, each
+        followed by its marker."""
+        root = self.outputs.checkpoints
+        for tmp in sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []:
+            if not tmp.is_dir():
+                continue
+            remote = f"{CHECKPOINT_DIR}/{tmp.name}"
+            if (tmp / rank_folder(0)).is_dir():
+                self._fetch_parts(tmp, remote, moved)
+                continue
+            for part in sorted(p for p in tmp.iterdir() if _PART.fullmatch(p.name) and p.is_dir()):
+                key = f"{tmp.name}/{part.name}"
+                if key in self._parts_sent:
+                    continue
+                for file in sorted(f for f in part.rglob("*") if f.is_file()):
+                    self._upload_if_changed(file, moved)
+                self.fs.pipe_file(f"{self.root}/{remote}/{part.name}{_SENT}", b"")
+                self._parts_sent.add(key)
+
+    def _fetch_parts(self, tmp: Path, remote: str, moved: Transfer) -> None:
+        listing = self._remote_files(remote)
+        for marker in sorted(rel for rel in listing if rel.endswith(_SENT)):
+            name = marker.rsplit("/", 1)[1].removesuffix(_SENT)
+            if (tmp / name).exists():
+                continue
+            part = f"{remote}/{name}"
+            landing = tmp / f"{name}.pulling"  # whole, then one rename, as its rank wrote it
+            shutil.rmtree(landing, ignore_errors=True)
+            for rel, size in listing.items():
+                if rel.startswith(part + "/"):
+                    self._download(rel, landing / rel[len(part) + 1 :], moved, size)
+            landing.mkdir(exist_ok=True)
+            os.replace(landing, tmp / name)
+
+    def _forget_parts(self, newest: str) -> None:
+        """The store's parts of checkpoints up to `newest`, once it is published there."""
+        folder = f"{self.root}/{CHECKPOINT_DIR}"
+        for entry in self.fs.ls(folder, detail=False) if self.fs.exists(folder) else []:
+            name = entry.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith(TMP_PREFIX) and name[len(TMP_PREFIX) :][: len(newest)] <= newest:
+                self.fs.rm(f"{folder}/{name}", recursive=True)
 
     def _pull_newest_checkpoint(self, remote: dict[str, int], moved: Transfer) -> None:
         by_checkpoint: dict[str, dict[str, int]] = {}
@@ -309,6 +461,14 @@ class OutputsMirror:
             os.replace(tmp, self.outputs.checkpoints / name)
             moved.checkpoints.append(name)
             return
+
+
+def _modified(info: dict[str, Any]) -> str:
+    """When a store's file last changed, as its fsspec listing says it (each store names it its own way)."""
+    for key in ("etag", "ETag", "mtime", "last_modified", "LastModified"):  # an etag changes with every write
+        if info.get(key) is not None:
+            return str(info[key])
+    return ""
 
 
 def _fail_fast(fs: Any) -> None:
@@ -352,6 +512,7 @@ class Uploader:
         self.mirror, self.every_s, self.log = mirror, every_s, log
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="outputs-uploader", daemon=True)
+        self._pushing = threading.Lock()  # one push at a time: the thread's, or a caller's push_now()
         self._last_problem: str | None = None
         self.pushed = Transfer()
 
@@ -365,18 +526,20 @@ class Uploader:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
-            self._push_once()
+            self.push_now()
 
-    def _push_once(self) -> None:
-        try:
-            self._add(self.mirror.push())
-            if self._last_problem is not None:
-                self.log(f"outputs: uploads to {public(self.mirror.url)} work again")
-            self._last_problem = None
-        except StorageError as exc:
-            if str(exc) != self._last_problem:
-                self.log(f"outputs: {exc}; trying again every {self.every_s:g} s (the local copy is whole)")
-            self._last_problem = str(exc)
+    def push_now(self) -> None:
+        """One push now, between the thread's (a launcher's copy reads the nodes' last words back this way)."""
+        with self._pushing:
+            try:
+                self._add(self.mirror.push())
+                if self._last_problem is not None:
+                    self.log(f"outputs: uploads to {public(self.mirror.url)} work again")
+                self._last_problem = None
+            except StorageError as exc:
+                if str(exc) != self._last_problem:
+                    self.log(f"outputs: {exc}; trying again every {self.every_s:g} s (the local copy is whole)")
+                self._last_problem = str(exc)
 
     def _add(self, moved: Transfer) -> None:
         self.pushed.files += moved.files
@@ -389,7 +552,8 @@ class Uploader:
         self.__exit__()
         for attempt in range(_FINAL_TRIES):
             try:
-                self._add(self.mirror.push())
+                with self._pushing:
+                    self._add(self.mirror.push())
                 return self.pushed
             except StorageError as exc:
                 if not exc.retryable or attempt == _FINAL_TRIES - 1:
