@@ -139,9 +139,11 @@ def test_a_node_that_does_not_see_the_launcher_s_outputs_folder_refuses_to_start
 
 
 def test_example_job_trains_to_an_exported_model_on_two_ray_nodes(ray_cluster: RayCluster, tmp_path: Path) -> None:
-    """With its outputs at a URL (a folder store, file://): the nodes work in outputs.cache_dir, a folder both
-    see, and the store ends with the model, the checkpoints and both nodes' logs, and no writer."""
-    store, cache = tmp_path / "store", tmp_path / "shared-cache"
+    """With its outputs at a URL (a folder store, file://) the nodes share only the store: each works in a folder
+    of its own under outputs.cache_dir, and the launcher reads their logs back as they write them. The store ends
+    with the model, the checkpoints, both nodes' logs and agents' logs, and no writer; the nodes' folders are
+    gone."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
     url = f"file://{store}"
     out = cache_folder(url, cache)
     example = REPO / "examples" / "engines-tiny.yaml"  # the example every engine runs; only --set moves it to Ray
@@ -154,8 +156,10 @@ def test_example_job_trains_to_an_exported_model_on_two_ray_nodes(ray_cluster: R
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert (store / "model" / "model.safetensors").read_bytes() == (out / "model" / "model.safetensors").read_bytes()
-    assert {"rank-0.log", "rank-1.log"} <= {path.name for path in (store / "logs").iterdir()}
+    assert {"rank-0.log", "rank-1.log", "agent.log", "agent.node-1.log"} <= {p.name for p in (store / "logs").iterdir()}
     assert list((store / "checkpoints").glob("step-*/manifest.json"))
+    assert not list((store / "checkpoints").glob(".tmp-*"))
+    assert not list((cache / "nodes").iterdir()), "each node's folder is removed once the store holds it"
     assert not (store / ".clusterfit-writer.json").exists()
     assert (out / "model" / "model.safetensors").stat().st_size > 0
     assert (out / "model" / "model.torchscript.pt").stat().st_size > 0
@@ -431,13 +435,17 @@ def test_a_gpu_job_gets_a_gpu_bundle_on_each_ray_node(ray_cluster: RayCluster, t
 def test_a_session_script_reports_checkpoints_and_resumes_on_two_ray_nodes(
     ray_cluster: RayCluster, tmp_path: Path
 ) -> None:
-    """clusterfit.session on Ray: each node's rank reports and writes its part; a second run resumes from them."""
-    out = JobOutputs.at(tmp_path / "on-ray")
+    """clusterfit.session on Ray with outputs at a URL: each node's rank reports and writes its part in its own
+    folder, rank 1's part reaches rank 0's node through the store, and a second run resumes from the store."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    url = f"file://{store}"
+    out = JobOutputs.at(cache_folder(url, cache))  # the launcher's copy, read back from the store
     spec = session_job(tmp_path, "on-ray", "python session_user.py --steps 6 --every 3")
+    at_url = [f"--set=outputs.dir={url}", f"--set=outputs.cache_dir={cache}", "--set=outputs.upload_every_s=1"]
 
     def run(*changes: str) -> str:
         result = subprocess.run(
-            cli_command("run", str(spec), *ON_RAY, *changes),
+            cli_command("run", str(spec), *ON_RAY, *at_url, *changes),
             env=ray_cluster.client_env(),
             capture_output=True,
             text=True,
@@ -450,11 +458,12 @@ def test_a_session_script_reports_checkpoints_and_resumes_on_two_ray_nodes(
     assert [record["step"] for record in read_records(out.metrics)] == list(range(6))
     beats = read_heartbeats(out)
     assert {rank: beat.metrics["node"] for rank, beat in beats.items()} == {0: 0.0, 1: 1.0}  # one rank per node
-    resume = latest_checkpoint(out.checkpoints, rank=1)
+    resume = latest_checkpoint(JobOutputs.at(store).checkpoints, rank=1)
     assert resume is not None and resume.step == 5 and resume.world_size == 2
+    assert not list((cache / "nodes").iterdir()), "each node's folder is removed once the store holds it"
     resumed = run("--set", "command=python session_user.py --steps 9 --every 3")
     assert "resumed from step 5" in resumed
-    assert latest_checkpoint(out.checkpoints, rank=0).step == 8
+    assert latest_checkpoint(JobOutputs.at(store).checkpoints, rank=0).step == 8
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
 
 

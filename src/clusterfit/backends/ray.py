@@ -4,11 +4,13 @@ torchrun's elastic agent, exactly the command every other engine runs on a node.
 Ray only places and supervises the agents; they rendezvous among themselves (c10d, hosted by node 0's agent
 on a port node 0's actor picks), so the workers see the usual RANK / WORLD_SIZE / MASTER_ADDR environment.
 
-`outputs.dir` (and relative data paths, resolved from the launcher's working directory) must be on a
-filesystem every node sees, like NFS: every rank writes its part of each checkpoint there and rank 0
-publishes it, and every rank's log lands in `outputs.dir/logs/rank-N.log`, where the launcher follows it
-as it does for every engine. Shipping logs back through Ray would not make checkpoints shared, so the
-backend asks for a shared folder once instead of half-working without one.
+A folder `outputs.dir` (and relative data paths, resolved from the launcher's working directory) must be on a
+filesystem every node sees, like NFS: every rank's log lands in `outputs.dir/logs/rank-N.log`, where the
+launcher follows it as it does for every engine, and rank 0 publishes checkpoints there. With outputs at a URL
+the nodes share only the store: each node works in a folder of its own under `outputs.cache_dir`, filled from
+the store when its agent starts (code, the newest checkpoint) and copied back to it while the job runs and once
+more before the node reports its agent's end; the launcher reads the nodes' logs, metrics and heartbeats back
+from the store (storage/outputs_mirror.py).
 
 The actors and the placement group are detached and named after the job: `status` and `cancel` find them
 from any process, and a job survives the launcher (the launcher's Ctrl-C cancels it; a job service keeps
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +49,8 @@ from clusterfit.network import free_port
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, is_running, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
+from clusterfit.storage.filesystems import Credentials, credentials
+from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror, Uploader
 
 NAMESPACE = "clusterfit"
 PLACEMENT_STRATEGY = "STRICT_SPREAD"  # one bundle per Ray node, never two agents on one node
@@ -56,6 +61,22 @@ _NODE0_RDZV = "<node 0 IP>:<free port>"
 _LOST_NODE_EXIT = 1  # the exit code of a node whose actor died with its agent
 _GROW_EVERY_S = 5.0  # an elastic job looks for nodes with room this often
 _JOIN_TIMEOUT_S = 30.0  # an actor Ray has not placed by then lost its node's room to someone else
+_LAST_UPLOAD_S = 120.0  # a stopped node's last copy to the store, before its actor is killed regardless
+
+
+@dataclass(frozen=True)
+class NodeStore:
+    """Outputs at a URL: the store the nodes share, and where on each node its own folder goes."""
+
+    url: str
+    creds: Credentials
+    cache_dir: str  # as the spec says it: `~` is the node's home
+    upload_every_s: float
+
+    def folder(self, job_id: str, node: int) -> Path:
+        """This node's folder for one node slot of one job: never another job's or another slot's, also when
+        several Ray nodes share a host."""
+        return Path(self.cache_dir).expanduser() / "nodes" / f"{job_id}-node-{node}"
 
 
 @dataclass(frozen=True)
@@ -177,10 +198,20 @@ class RayBackend:
             placement=placement,
         )
 
-    def submit(self, spec: JobSpec) -> RayRun:
+    def submit(self, spec: JobSpec, outputs_store: str | None = None) -> RayRun:
+        """`outputs_store`: the URL of the job's outputs, whose local copy `spec.outputs.dir` is; each node then
+        works in a folder of its own, and the store is what they share."""
         rendered = self.dry_run(spec)
         ray = _connect(cluster_address(spec))
-        ship_code(spec)  # into outputs.dir, which every node sees
+        ship_code(spec)  # into outputs.dir, which every node sees, or which goes to the store for them:
+        store = None
+        if outputs_store is not None:
+            out = spec.outputs
+            store = NodeStore(outputs_store, credentials(spec.storage), out.cache_dir, out.upload_every_s)
+            for path, content in rendered.files.items():  # the job.yaml by which this run is known here and there
+                write_atomically(Path(path), content)
+            launcher_copy = JobOutputs.at(Path(out.dir).resolve())
+            OutputsMirror(launcher_copy, outputs_store, store.creds, role=MirrorRole.LAUNCHER).push()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -220,6 +251,7 @@ class RayBackend:
                 log_dir=str(JobOutputs.at(Path(spec.outputs.dir).resolve()).logs),
                 cwd=os.getcwd(),
                 outputs_claim=read_text_or_none(JobOutputs.at(Path(spec.outputs.dir).resolve()).lock),
+                store=store,
             )
             ray.get(
                 [
@@ -264,12 +296,20 @@ class AgentLaunch:
     log_dir: str
     cwd: str
     outputs_claim: str | None = None  # the launcher's lock in outputs.dir, which every node must see as it is
+    store: NodeStore | None = None  # outputs at a URL: each node works in a folder of its own
 
     def start(self, actor: Any, node: int, place: NodePlace) -> Any:
+        if self.store is None:
+            spec, files, log_dir, claim = self.spec, self.files, self.log_dir, self.outputs_claim
+        else:
+            folder = place.home_folder(self.store.folder(self.job_id, node))
+            out = self.spec.outputs.model_copy(update={"dir": str(folder)})
+            spec = self.spec.model_copy(update={"outputs": out})
+            files, log_dir, claim = resolved_spec_file(spec), str(JobOutputs.at(folder).logs), None
         command = node_command(
-            self.spec, node, python=place.python, node_ip=place.ip, rdzv_endpoint=self.rdzv_endpoint, run_id=self.job_id
+            spec, node, python=place.python, node_ip=place.ip, rdzv_endpoint=self.rdzv_endpoint, run_id=self.job_id
         )
-        return actor.start.remote(command, self.env, self.files, self.log_dir, self.cwd, self.outputs_claim)
+        return actor.start.remote(command, self.env, files, log_dir, self.cwd, claim, self.store, node)
 
 
 @dataclass
@@ -385,6 +425,12 @@ class RayRun:
 class NodePlace:
     ip: str
     python: str
+    home: str  # the node's home folder: what `~` in outputs.cache_dir means there
+
+    def home_folder(self, path: Path) -> Path:
+        """`path`, whose `~` the launcher expanded to its own home, with the node's instead."""
+        launcher_home = Path("~").expanduser()
+        return Path(self.home) / path.relative_to(launcher_home) if path.is_relative_to(launcher_home) else path
 
 
 class NodeAgent:
@@ -393,13 +439,16 @@ class NodeAgent:
 
     def __init__(self) -> None:
         self._process: subprocess.Popen[bytes] | None = None
-        self._finished_at: float | None = None
+        self._finished_at: float | None = None  # once the agent exited and (outputs at a URL) its node's copy is up
+        self._ended: threading.Thread | None = None
         self._tree: dict[int, str] = {}  # pid -> start time of the agent and every descendant seen so far
+        self._uploader: Uploader | None = None
+        self._agent_log: Path | None = None
 
     def where(self) -> NodePlace:
         import ray
 
-        return NodePlace(ray.util.get_node_ip_address(), sys.executable)
+        return NodePlace(ray.util.get_node_ip_address(), sys.executable, str(Path("~").expanduser()))
 
     def node_id(self) -> str:
         import ray
@@ -417,18 +466,29 @@ class NodeAgent:
         log_dir: str,
         cwd: str,
         outputs_claim: str | None = None,
+        store: NodeStore | None = None,
+        node: int = 0,
     ) -> int:
-        if not os.path.isdir(cwd):
+        outputs = JobOutputs.at(Path(log_dir).parent)
+        if store is None and not os.path.isdir(cwd):
             raise EngineError(
                 f"the launcher's working directory {cwd} does not exist on Ray node {self.where().ip}; run from a "
                 "folder every node sees (outputs.dir and data paths must be on a shared filesystem)",
                 retryable=False,
             )
-        check_shared_outputs(JobOutputs.at(Path(log_dir).parent), outputs_claim, self.where().ip)
+        check_shared_outputs(outputs, outputs_claim, self.where().ip)
+        agent_log_path = outputs.agent_log
+        if store is not None:
+            cwd = cwd if os.path.isdir(cwd) else str(outputs.root)
+            agent_log_path = outputs.node_agent_log(node)
+            mirror = OutputsMirror(outputs, store.url, store.creds, role=MirrorRole.NODE)
+            mirror.pull()  # the code, job.yaml's neighbours, and the newest checkpoint to resume from
+            self._uploader = Uploader(mirror, store.upload_every_s, lambda line: _say(agent_log_path, line))
         for path, content in files.items():
             write_atomically(Path(cwd, path), content)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        with open(JobOutputs.at(Path(log_dir).parent).agent_log, "a") as agent_log:
+        self._agent_log = agent_log_path
+        with open(agent_log_path, "a") as agent_log:
             self._process = subprocess.Popen(
                 command,
                 cwd=cwd,
@@ -439,11 +499,14 @@ class NodeAgent:
                 start_new_session=True,
                 preexec_fn=stop_with_parent,  # a killed actor leaves no training processes behind
             )
-        threading.Thread(target=self._record_exit, daemon=True).start()
+        if self._uploader is not None:
+            self._uploader.__enter__()
+        self._ended = threading.Thread(target=self._record_exit, daemon=True)
+        self._ended.start()
         return self._process.pid
 
     def state(self) -> AgentState:
-        if self._process is None:
+        if self._process is None or self._finished_at is None:
             return AgentState(None)
         return AgentState(self._process.poll(), self._finished_at)
 
@@ -466,11 +529,23 @@ class NodeAgent:
         for pid, start in self._tree.items():
             kill_if_same(pid, start)
         self._wait_tree_gone(5.0)
+        if self._ended is not None:
+            self._ended.join(_LAST_UPLOAD_S)  # the node's last copy to the store, before the actor is killed
         return [pid for pid, start in self._tree.items() if is_running(pid, start)]
 
     def _record_exit(self) -> None:
+        """Waits for the agent; with outputs at a URL, copies this node's folder to the store a last time (then
+        removes it: the store holds it all) before the agent counts as ended, so the launcher reads it all."""
         assert self._process is not None
         self._process.wait()
+        if self._uploader is not None:
+            outputs = self._uploader.mirror.outputs
+            try:
+                self._uploader.finish()
+                shutil.rmtree(outputs.root, ignore_errors=True)
+            except ClusterfitError as exc:
+                assert self._agent_log is not None
+                _say(self._agent_log, f"outputs: {exc}; this node's copy stays in {outputs.root}")
         self._finished_at = time.time()
 
     def _remember_tree(self) -> None:
@@ -488,6 +563,11 @@ class NodeAgent:
         deadline = time.monotonic() + timeout
         while any(is_running(pid, start) for pid, start in self._tree.items()) and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+def _say(log: Path, line: str) -> None:
+    with open(log, "a") as f:
+        f.write(f"[clusterfit] {line}\n")
 
 
 def _actor_name(job_id: str, node: int) -> str:

@@ -54,6 +54,11 @@ class JobOutputs:
     def agent_log(self) -> Path:
         return self.logs / AGENT_LOG
 
+    def node_agent_log(self, node: int) -> Path:
+        """Where node `node`'s agent writes when each node has a folder of its own: node 0's is the agent log
+        (its agent hosts the rendezvous), the others' sit beside it under their own names in the store."""
+        return self.agent_log if node == 0 else self.logs / f"agent.node-{node}.log"
+
     @property
     def supervisor_log(self) -> Path:
         return self.logs / SUPERVISOR_LOG

@@ -46,7 +46,7 @@ from clusterfit.service.states import Decision, FailureCause, JobState, decide_a
 from clusterfit.service.store import Job, JobStore, dump_json
 from clusterfit.spec import JobSpec
 from clusterfit.storage.filesystems import credentials, public
-from clusterfit.storage.outputs_mirror import OutputsMirror, Uploader, writer_ttl_s
+from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror, Uploader, writer_ttl_s
 
 _RECORD_EVERY_S = 2.0  # progress written to the store at most this often; also the supervisor's liveness
 _HANG_GRACE_S = 3.0  # after a hang is seen, time for every rank's stack dump to reach its log
@@ -111,7 +111,9 @@ class Supervisor:
                 self._outputs_claim = claim_outputs(Path(spec.outputs.dir), job.id)
             url = outputs_url(job)
             if url is not None:
-                mirror = OutputsMirror(JobOutputs.at(spec.outputs.dir), url, credentials(spec.storage))
+                # On Ray the nodes share no folder with this one: they write the store, this copy reads it back.
+                role = MirrorRole.LAUNCHER if spec.resources.backend == "ray" else MirrorRole.FOLDER
+                mirror = OutputsMirror(JobOutputs.at(spec.outputs.dir), url, credentials(spec.storage), role=role)
                 mirror.claim(job.id, writer_ttl_s(spec.outputs.upload_every_s))  # one job per store copy
                 self._restore(mirror)  # a fresh machine resumes where the store's copy ends
             preflight(spec)  # again: data can vanish while a job waits in the queue
@@ -122,7 +124,9 @@ class Supervisor:
         if mirror is None:
             return self._run_attempt(job, attempt, spec)
         with Uploader(mirror, spec.outputs.upload_every_s, self.log) as uploader:
-            outcome, failure = self._run_attempt(job, attempt, spec)
+            store = url if mirror.role is MirrorRole.LAUNCHER else None
+            # The nodes' last words (logs, the summary) are read back before they are weighed.
+            outcome, failure = self._run_attempt(job, attempt, spec, store, ended=uploader.push_now)
             try:
                 pushed = uploader.finish()
             except ClusterfitError as exc:
@@ -147,7 +151,16 @@ class Supervisor:
                 f"{pulled.seconds:.1f} s)"
             )
 
-    def _run_attempt(self, job: Job, attempt: int, spec: JobSpec) -> tuple[Outcome, Failure | None]:
+    def _run_attempt(
+        self,
+        job: Job,
+        attempt: int,
+        spec: JobSpec,
+        outputs_store: str | None = None,
+        ended: Callable[[], None] | None = None,
+    ) -> tuple[Outcome, Failure | None]:
+        """`outputs_store`: the nodes work in folders of their own and share this URL (Ray); `ended` is called
+        once the job's processes are gone."""
         env = {**spec.environment_variables, ATTEMPT_ENV: str(attempt)}
         spec = spec.model_copy(update={"environment_variables": env})
         outputs = JobOutputs.at(spec.outputs.dir)
@@ -162,18 +175,22 @@ class Supervisor:
             if self.confined and backend.name in ("local", "slurm"):
                 user = (os.environ.get(JOB_USER_ENV) or None) if os.geteuid() == 0 else None
                 handle = backend.submit(spec, confined=True, user=user)  # type: ignore[call-arg]
+            elif outputs_store is not None:
+                handle = backend.submit(spec, outputs_store=outputs_store)  # type: ignore[call-arg]
             else:
                 handle = backend.submit(spec)
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
             return Outcome.FAILED, failure_for_error(exc, backend.name)
         self.store.update(job.id, engine_ref=dump_json(asdict(handle.ref)))
         try:
-            outcome, detail = self._watch(job.id, spec, attempt, handle)
+            outcome, detail = self._watch(job.id, spec, attempt, handle, ended)
         except KeyboardInterrupt:
             self.store.request_cancel(job.id)
             handle.cancel()
             outcome, detail = Outcome.CANCELLED, "interrupted in the foreground (Ctrl-C or SIGTERM)"
         code = handle.poll()
+        if ended is not None:
+            ended()
         if outcome is Outcome.CANCELLED:
             return outcome, Failure(FailureCause.CANCELLED, f"cancelled by user: {detail}")
         if outcome is Outcome.HUNG:
@@ -183,7 +200,9 @@ class Supervisor:
         evidence = gather_evidence(outputs, code, oom_kill_count() - ooms_before, agent_log_start)
         return Outcome.FAILED, classify(evidence)
 
-    def _watch(self, job_id: str, spec: JobSpec, attempt: int, handle: RunHandle) -> tuple[Outcome, str]:
+    def _watch(
+        self, job_id: str, spec: JobSpec, attempt: int, handle: RunHandle, ended: Callable[[], None] | None = None
+    ) -> tuple[Outcome, str]:
         outputs = JobOutputs.at(spec.outputs.dir)
         metrics = MetricsTail(outputs.metrics)
         progress: dict[str, object] = {}
@@ -191,6 +210,8 @@ class Supervisor:
         recorded_at = 0.0
         while True:
             code = handle.poll()
+            if code is not None and ended is not None:
+                ended()  # what the ranks wrote last, before it is read: a short job may have ended unseen
             beats = read_heartbeats(outputs, attempt)
             for record in metrics.read_new():
                 progress.update(_progress_fields(record))
