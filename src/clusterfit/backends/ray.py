@@ -167,7 +167,7 @@ def check_shared_outputs(outputs: JobOutputs, launcher_claim: str | None, node_i
         return
     raise EngineError(
         f"outputs.dir {outputs.root} on Ray node {node_ip} is not the launcher's folder (its lock is missing or "
-        "another job's): put outputs.dir (with a URL, outputs.cache_dir) on a filesystem every node sees",
+        "another job's): put outputs.dir on a filesystem every node sees, or give it a URL (az://, s3://)",
         retryable=False,
     )
 

@@ -706,9 +706,9 @@ class JobSpec(_Strict):
 
     @model_validator(mode="after")
     def _outputs_url_where_the_supervisor_sees_it(self) -> JobSpec:
-        # NOTE: the job's supervisor uploads the outputs, so it must see the folder the workers write: on Ray and
-        # Slurm outputs.cache_dir must then be on a filesystem every node sees, as outputs.dir must without a
-        # URL; Kubernetes pods write to a volume claim the launcher does not see.
+        # NOTE: on Slurm the job's supervisor uploads the outputs, so outputs.cache_dir must be on a filesystem
+        # every node sees, as outputs.dir must without a URL (on Ray each node uploads its own folder);
+        # Kubernetes pods write to a volume claim the launcher does not see.
         if is_url(self.outputs.dir) and "?" in self.outputs.dir:
             raise ValueError(
                 "outputs.dir: a URL with a query string (a SAS token?) would be stored with the job; give the URL "
