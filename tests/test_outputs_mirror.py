@@ -134,11 +134,17 @@ def test_nodes_without_a_shared_folder_share_the_store(
     url = f"az://{CONTAINER}/job-nodes" if store == "azurite" else f"file://{tmp_path / 'share' / 'job-nodes'}"
     if store == "azurite":
         request.getfixturevalue("azurite")
+    earlier = JobOutputs.at(tmp_path / "earlier-run")
+    earlier.root.mkdir()
+    earlier.summary.write_text('{"run": 1}')
+    OutputsMirror(earlier, url, Credentials()).push()
     launcher_copy = JobOutputs.at(tmp_path / "launcher")
     launcher_copy.logs.mkdir(parents=True)
-    launcher_copy.resolved_spec.write_text("name: job\n")
     launcher = OutputsMirror(launcher_copy, url, Credentials(), role=MirrorRole.LAUNCHER)
-    launcher.push()
+    launcher.pull()  # as the supervisor does before each attempt
+    assert launcher_copy.summary.read_text() == '{"run": 1}'
+    launcher_copy.resolved_spec.write_text("name: job\n")
+    launcher.push(read_back=False)
     node0, node1 = JobOutputs.at(tmp_path / "node0"), JobOutputs.at(tmp_path / "node1")
     mirrors = [OutputsMirror(folder, url, Credentials(), role=MirrorRole.NODE) for folder in (node0, node1)]
     for mirror in mirrors:
@@ -150,6 +156,7 @@ def test_nodes_without_a_shared_folder_share_the_store(
     node1.rank_log(1).write_text("rank 1 starts\n")
     node1.heartbeats.mkdir()
     node1.heartbeat(1).write_text('{"step": 1}')
+    node1.summary.write_text('{"run": 2}')  # as long as the earlier run's: read back all the same
     tmp = ".tmp-step-00000004.run1"
     (node1.checkpoints / tmp / "rank-00001").mkdir(parents=True)
     (node1.checkpoints / tmp / "rank-00001" / "weights.bin").write_bytes(b"one" * 100)
@@ -158,6 +165,7 @@ def test_nodes_without_a_shared_folder_share_the_store(
     launcher.push()
     assert launcher_copy.rank_log(1).read_text() == "rank 1 starts\n"
     assert launcher_copy.heartbeat(1).read_text() == '{"step": 1}'
+    assert launcher_copy.summary.read_text() == '{"run": 2}'
     assert launcher_copy.resolved_spec.read_text() == "name: job\n"
     following = launcher_copy.rank_log(1).open()  # as `clusterfit run` follows it
     assert following.read() == "rank 1 starts\n"

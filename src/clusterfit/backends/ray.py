@@ -211,7 +211,8 @@ class RayBackend:
             for path, content in rendered.files.items():  # the job.yaml by which this run is known here and there
                 write_atomically(Path(path), content)
             launcher_copy = JobOutputs.at(Path(out.dir).resolve())
-            OutputsMirror(launcher_copy, outputs_store, store.creds, role=MirrorRole.LAUNCHER).push()
+            # Before any node starts: it fills its folder from the store (the supervisor reads the nodes back).
+            OutputsMirror(launcher_copy, outputs_store, store.creds, role=MirrorRole.LAUNCHER).push(read_back=False)
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -481,8 +482,10 @@ class NodeAgent:
         if store is not None:
             cwd = cwd if os.path.isdir(cwd) else str(outputs.root)
             agent_log_path = outputs.node_agent_log(node)
+            # The store is the truth: what an earlier agent of this slot left here (a lost node) would go up again.
+            shutil.rmtree(outputs.root, ignore_errors=True)
             mirror = OutputsMirror(outputs, store.url, store.creds, role=MirrorRole.NODE)
-            mirror.pull()  # the code, job.yaml's neighbours, and the newest checkpoint to resume from
+            mirror.pull()  # the code, the earlier attempts' logs and metrics, and the newest checkpoint
             self._uploader = Uploader(mirror, store.upload_every_s, lambda line: _say(agent_log_path, line))
         for path, content in files.items():
             write_atomically(Path(cwd, path), content)
@@ -538,15 +541,17 @@ class NodeAgent:
         removes it: the store holds it all) before the agent counts as ended, so the launcher reads it all."""
         assert self._process is not None
         self._process.wait()
-        if self._uploader is not None:
-            outputs = self._uploader.mirror.outputs
-            try:
-                self._uploader.finish()
-                shutil.rmtree(outputs.root, ignore_errors=True)
-            except ClusterfitError as exc:
-                assert self._agent_log is not None
-                _say(self._agent_log, f"outputs: {exc}; this node's copy stays in {outputs.root}")
-        self._finished_at = time.time()
+        try:
+            if self._uploader is not None:
+                outputs = self._uploader.mirror.outputs
+                try:
+                    self._uploader.finish()
+                    shutil.rmtree(outputs.root, ignore_errors=True)
+                except ClusterfitError as exc:
+                    assert self._agent_log is not None
+                    _say(self._agent_log, f"outputs: {exc}; this node's copy stays in {outputs.root}")
+        finally:
+            self._finished_at = time.time()  # whatever became of the upload: the job must not wait forever
 
     def _remember_tree(self) -> None:
         if self._process is None:

@@ -232,9 +232,10 @@ class OutputsMirror:
     def _write_writer(self, writer: StoreWriter) -> None:
         self.fs.pipe_file(self._writer_path, json.dumps(asdict(writer)).encode())
 
-    def push(self) -> Transfer:
+    def push(self, *, read_back: bool = True) -> Transfer:
         """Upload what this copy writes and changed here since the last push; a node's copy also trades checkpoint
-        parts, and the launcher's reads back what the nodes wrote. StorageError (retryable if unreachable)."""
+        parts, and the launcher's reads back what the nodes wrote (unless not `read_back`). StorageError
+        (retryable if unreachable) on failure."""
         started, moved = time.perf_counter(), Transfer()
         try:
             self._renew()
@@ -244,7 +245,8 @@ class OutputsMirror:
             if self.role is MirrorRole.NODE:
                 self._trade_parts(moved)
             if self.role is MirrorRole.LAUNCHER:
-                self._read_back(moved)
+                if read_back:
+                    self._read_back(moved)
             else:
                 self._push_checkpoints(moved)
         except StorageError:
@@ -270,7 +272,8 @@ class OutputsMirror:
         unless one as new is here. A store without the folder yet is an empty one."""
         started, moved = time.perf_counter(), Transfer()
         try:
-            remote = self._remote_files()
+            listing = self._remote_listing()
+            remote = {rel: size for rel, (size, _) in listing.items()}
             for rel, size in sorted(remote.items()):
                 top = rel.split("/", 1)[0]
                 if top in (*_NOT_MIRRORED, HEARTBEAT_DIR) or top == CHECKPOINT_DIR and rel.count("/") > 1:
@@ -280,6 +283,8 @@ class OutputsMirror:
                     self._download(rel, local, moved, size)
             if checkpoints:
                 self._pull_newest_checkpoint(remote, moved)
+            # The launcher's copy reads back only what changes in the store from now on.
+            self._seen = {rel: sig for rel, sig in listing.items() if _size_or_none(self.outputs.root / rel) == sig[0]}
         except StorageError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -378,10 +383,8 @@ class OutputsMirror:
             if top in _NOT_MIRRORED or top == CHECKPOINT_DIR or self.role.writes(rel) or rel.endswith(_SENT):
                 continue
             local = self.outputs.root / rel
-            have = local.stat().st_size if local.is_file() else -1
-            if rel not in self._seen and have == size:
-                pass  # this copy had it already (pulled at the start)
-            elif _under(rel, _APPENDED) and 0 < have < size:
+            have = _size_or_none(local) or 0
+            if _under(rel, _APPENDED) and 0 < have < size:
                 with open(local, "ab") as f:
                     f.write(self.fs.cat_file(f"{self.root}/{rel}", start=have, end=size))
                 moved.files, moved.bytes = moved.files + 1, moved.bytes + size - have
@@ -461,6 +464,13 @@ class OutputsMirror:
             os.replace(tmp, self.outputs.checkpoints / name)
             moved.checkpoints.append(name)
             return
+
+
+def _size_or_none(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def _modified(info: dict[str, Any]) -> str:
