@@ -175,6 +175,10 @@ def test_nodes_without_a_shared_folder_share_the_store(
     mirrors[1].push()
     launcher.push()
     assert following.read() == "rank 1 at step 4\n", "new bytes appended to the file its follower has open"
+    node1.rank_log(1).write_text("another node's rank 1 writes this log now, and more of it\n")
+    mirrors[1].push()
+    launcher.push()
+    assert launcher_copy.rank_log(1).read_text() == "another node's rank 1 writes this log now, and more of it\n"
     assert launcher_copy.heartbeat(1).read_text() == '{"step": 4}'
 
     # Rank 0's node: its own part is there, so it fetches rank 1's and publishes.

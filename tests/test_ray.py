@@ -263,9 +263,14 @@ ELASTIC_STEPS = 400  # about a minute on two busy cores: time for a loss and a j
 def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: RayCluster, tmp_path: Path) -> None:
     """1:2 nodes: the job starts on both nodes; every process of node 1 is killed (as a reclaimed VM's would be)
     and node 0 trains on alone from the last checkpoint; a new Ray node joins and the job takes it; it ends with
-    an exported model, and each membership change is in its records and on the console."""
-    out = tmp_path / "out"
+    an exported model, and each membership change is in its records and on the console. Its outputs are at a URL
+    (file://), as on spot VMs without a file share: each node works in a folder of its own, the joining node fills
+    its folder from the store, and every rank resumes each round from rank 0's checkpoint."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    url = f"file://{store}"
+    out = cache_folder(url, cache)  # the launcher's copy, read back from the store
     job = tiny_job(out, steps_per_epoch=ELASTIC_STEPS, checkpoint={"every_steps": 10, "keep": 2}, log_every_steps=5)
+    job["outputs"] = {"dir": url, "cache_dir": str(cache), "upload_every_s": 1}
     job["resources"] = {"instance_count": "1:2", "backend": "ray"}
     job["distribution"] = {"type": "pytorch", "process_count_per_instance": 1, "max_restarts": 3}
     with open(tmp_path / "launcher.log", "w") as log:
@@ -288,7 +293,7 @@ def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: 
 
     both = wait_for(lambda: last_start().get("nodes") == 2 and last_start(), 300, "the job to train on 2 nodes")
     wait_for(lambda: trained_since(both), 120, "a step on 2 nodes")
-    lost = _node_processes(out, host=False)
+    lost = _node_processes(cache, host=False)
     for process in lost:  # the actor, its agent and its worker at once, as when a VM is reclaimed
         process.kill()
     lost_at = time.time()
@@ -312,9 +317,10 @@ def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and (out / "model" / "model.safetensors").stat().st_size > 0
     assert read_records(metrics, (RecordKind.END,))[-1]["step"] == ELASTIC_STEPS
+    assert (store / "model" / "model.safetensors").read_bytes() == (out / "model" / "model.safetensors").read_bytes()
     assert not [p.pid for p in lost if _alive(p)]
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
-    assert not _job_processes(out)
+    assert not _job_processes(cache)
 
 
 def _node_processes(out: Path, *, host: bool) -> list[psutil.Process]:

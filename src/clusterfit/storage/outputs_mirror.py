@@ -69,6 +69,7 @@ _FINAL_TRIES = 4
 _LAUNCHER_FILES = (RESOLVED_SPEC, CODE_DIR, f"{LOG_DIR}/{SUPERVISOR_LOG}")
 # Files only ever appended to: the launcher's copy takes only their new bytes, so their followers see them grow.
 _APPENDED = (LOG_DIR, METRICS_FILE, TENSORBOARD_DIR)
+_OVERLAP = 256  # bytes read again before a growing file's new ones, to check it is still the file read so far
 _PART = re.compile(r"rank-\d{5}")  # a user script's rank's part of a checkpoint (the trainer's rank 0 writes all)
 _SENT = ".sent"  # beside a part in the store once all of it is there
 
@@ -384,13 +385,25 @@ class OutputsMirror:
                 continue
             local = self.outputs.root / rel
             have = _size_or_none(local) or 0
-            if _under(rel, _APPENDED) and 0 < have < size:
-                with open(local, "ab") as f:
-                    f.write(self.fs.cat_file(f"{self.root}/{rel}", start=have, end=size))
-                moved.files, moved.bytes = moved.files + 1, moved.bytes + size - have
-            else:
+            if not (_under(rel, _APPENDED) and 0 < have < size and self._append_new_bytes(rel, local, have, size)):
                 self._download(rel, local, moved, size)
+            else:
+                moved.files, moved.bytes = moved.files + 1, moved.bytes + size - have
             self._seen[rel] = (size, modified)
+
+    def _append_new_bytes(self, rel: str, local: Path, have: int, size: int) -> bool:
+        """Appends the store's bytes past `have` to `local`, if the store's file still starts as `local` ends
+        (checked on an overlap); False if not: another node wrote it since (an elastic job's rank 0 moved)."""
+        overlap = min(have, _OVERLAP)
+        with open(local, "rb") as f:
+            f.seek(have - overlap)
+            tail = f.read(overlap)
+        data = self.fs.cat_file(f"{self.root}/{rel}", start=have - overlap, end=size)
+        if data[:overlap] != tail:
+            return False
+        with open(local, "ab") as f:
+            f.write(data[overlap:])
+        return True
 
     def _trade_parts(self, moved: Transfer) -> None:
         """A node's copy and the checkpoints a user script's ranks are writing (`.tmp-*` folders, each rank's part a

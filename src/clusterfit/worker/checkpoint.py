@@ -2,9 +2,9 @@
 load, never unpickling code.
 
 Rank 0 writes the whole checkpoint: the shared state and every rank's own part (its RNG state, a few KB, gathered
-to rank 0 by one collective when the save starts). So no rank waits for another's file, and a job whose nodes
-share no folder (outputs at a URL on Ray) publishes from rank 0's node alone; every node reads its own part back
-from the copy it pulls at start.
+to rank 0 by one collective when the save starts), and rank 0 reads it back for every rank on resume. So no
+rank waits for another's file or reads one, and a job whose nodes share no folder (outputs at a URL on Ray)
+needs its checkpoints on rank 0's node alone.
 
 With `async_save`, the training loop only waits for the gather and a copy of the state in memory; a background
 thread on rank 0 serializes, writes and publishes. That thread never runs a collective: a gloo collective from a
@@ -36,7 +36,7 @@ from clusterfit.outputs.checkpoints import (
     rank_file,
     read_manifest,
 )
-from clusterfit.worker.dist import DistEnv, gather_to_main
+from clusterfit.worker.dist import DistEnv, broadcast_from_main, gather_to_main, scatter_from_main
 
 log = logging.getLogger(__name__)
 
@@ -130,15 +130,28 @@ class CheckpointStore:
         log.info("checkpoint %s", final)
 
     def load_latest(self, device: torch.device) -> LoadedCheckpoint | None:
-        """The newest checkpoint that verifies; corrupt ones are reported and skipped, never deleted."""
+        """Collective. Rank 0 loads the newest checkpoint that verifies (corrupt ones are reported and skipped,
+        never deleted) and every rank gets its state from rank 0: the shared state broadcast, each rank's own part
+        sent to it. So every rank resumes from the same checkpoint, also where each node has a folder of its own
+        that may lack it or hold an older one (a restart on Ray with outputs at a URL)."""
+        found = self._read_newest() if self.env.is_main else None
+        path, shared, owns = found if found is not None else (None, None, [None] * self.env.world_size)
+        path, shared = broadcast_from_main((path, shared), self.env)
+        if path is None:
+            return None
+        own = scatter_from_main(owns, self.env)
+        return LoadedCheckpoint(Path(path), _detached_copy(shared, device), own)
+
+    def _read_newest(self) -> tuple[str, dict[str, Any], list[Any]] | None:
         path = newest_verified(self.root, _report_unusable)
         if path is None:
             return None
-        shared = torch.load(path / SHARED_STATE, map_location=device, weights_only=True)
-        own_path = path / rank_file(self.env.rank)
-        same_world = read_manifest(path).get("world_size") == self.env.world_size
-        own = torch.load(own_path, map_location="cpu", weights_only=True) if same_world else None
-        return LoadedCheckpoint(path, shared, own)
+        shared = torch.load(path / SHARED_STATE, map_location="cpu", weights_only=True)
+        ranks = range(self.env.world_size)
+        if read_manifest(path).get("world_size") != self.env.world_size:
+            return str(path), shared, [None for _ in ranks]  # RNG states of another world size mean nothing here
+        owns = [torch.load(path / rank_file(rank), map_location="cpu", weights_only=True) for rank in ranks]
+        return str(path), shared, owns
 
     def clean_partial(self) -> None:
         """Remove temp folders of checkpoints that a crash interrupted; they were never published."""
@@ -171,14 +184,14 @@ class _BackgroundSave(threading.Thread):
             raise RuntimeError(f"asynchronous checkpoint {self.name} failed: {self.error}") from self.error
 
 
-def _detached_copy(obj: Any) -> Any:
-    """The same nested dicts/lists with every tensor copied to CPU memory that nothing else writes to."""
+def _detached_copy(obj: Any, device: torch.device | str = "cpu") -> Any:
+    """The same nested dicts/lists with every tensor copied to memory of `device` that nothing else writes to."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to(device, copy=True)
     if isinstance(obj, dict):
-        return {key: _detached_copy(value) for key, value in obj.items()}
+        return {key: _detached_copy(value, device) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_detached_copy(value) for value in obj)
+        return type(obj)(_detached_copy(value, device) for value in obj)
     return obj
 
 

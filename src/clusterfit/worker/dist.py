@@ -15,10 +15,12 @@ __all__ = [
     "DistEnv",
     "all_reduce_sum",
     "barrier",
+    "broadcast_from_main",
     "gather_to_main",
     "init_distributed",
     "pick_device",
     "read_dist_env",
+    "scatter_from_main",
     "shutdown_distributed",
 ]
 
@@ -58,6 +60,24 @@ def gather_to_main(value: Any, env: DistEnv) -> list[Any] | None:
     gathered: list[Any] | None = [None] * env.world_size if env.is_main else None
     dist.gather_object(value, gathered, dst=0)
     return gathered
+
+
+def broadcast_from_main(value: Any, env: DistEnv) -> Any:
+    """Rank 0's `value` (a picklable object), on every rank."""
+    if not env.is_distributed:
+        return value
+    box = [value if env.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def scatter_from_main(values: list[Any], env: DistEnv) -> Any:
+    """`values[rank]` of rank 0's list, on each rank (the other ranks' `values` are not read)."""
+    if not env.is_distributed:
+        return values[0]
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, values if env.is_main else None, src=0)
+    return box[0]
 
 
 def all_reduce_sum(values: list[float], env: DistEnv, device: torch.device) -> list[float]:
