@@ -220,6 +220,32 @@ def test_the_agent_command_and_resources_follow_the_spec() -> None:
     assert mounts["outputs"] == "/workspace/runs/tiny" and mounts["data"] == "/data"
 
 
+def test_outputs_at_a_url_give_each_pod_a_folder_of_its_own_that_the_store_fills_and_keeps() -> None:
+    """No claim: each pod's emptyDir, its agent under the node copy (run for real in test_outputs_mirror.py)."""
+    raw = _spec().model_dump(mode="json")
+    raw["outputs"] = {"dir": "az://runs/tiny", "upload_every_s": 5}
+    raw["storage"] = {"account_name": "myaccount"}
+    config_map, job = render_manifests(validate_spec(raw))
+    pod_spec = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    container = pod_spec["containers"][0]
+    assert container["command"][:12] == [
+        "python", "-m", "clusterfit.backends.node_copy", "--url", "az://runs/tiny", "--folder",
+        "/clusterfit/outputs", "--every", "5", "--account-name", "myaccount", "--",
+    ]  # fmt: skip
+    assert container["command"][12:15] == ["python", "-m", "torch.distributed.run"]
+    assert "--log-dir=/clusterfit/outputs/logs" in container["command"]
+    volumes = {volume["name"]: volume for volume in pod_spec["volumes"]}
+    assert volumes["outputs"] == {"name": "outputs", "emptyDir": {}}
+    mounts = {mount["name"]: mount["mountPath"] for mount in container["volumeMounts"]}
+    assert mounts["outputs"] == "/clusterfit/outputs"
+    assert yaml.safe_load(config_map["data"]["job.yaml"])["outputs"]["dir"] == "/clusterfit/outputs"
+    assert _model_errors(pod_spec, "V1PodSpec") == [] and _restricted_violations(pod_spec) == []
+    assert list(_crd_validator().iter_errors(job)) == []
+    # The job service's launcher passes the URL beside its local copy: the pods get the same.
+    local = raw | {"outputs": {"dir": "/home/me/.cache/clusterfit/outputs/runs_tiny-1234", "upload_every_s": 5}}
+    assert render_manifests(validate_spec(local), "az://runs/tiny")[1] == job
+
+
 def test_an_elastic_job_asks_for_max_pods_starts_with_min_and_recreates_a_lost_one() -> None:
     raw = _spec().model_dump(mode="json")
     raw["resources"]["instance_count"], raw["distribution"]["max_restarts"] = "1:3", 3

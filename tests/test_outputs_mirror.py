@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -201,6 +203,41 @@ def test_nodes_without_a_shared_folder_share_the_store(
     assert not list(fresh.checkpoints.glob(".tmp-*")), "the parts left the store once the checkpoint was there"
     assert fresh.resolved_spec.read_text() == "name: job\n"
     following.close()
+
+
+def test_a_node_s_agent_runs_between_its_folder_filled_from_the_store_and_its_last_copy_to_it(tmp_path: Path) -> None:
+    """`python -m clusterfit.backends.node_copy` (a Kubernetes pod's command): the agent finds the store's files,
+    what it writes reaches the store while it runs and after it ends, its exit code is the wrapper's, and the
+    node's folder is gone."""
+    store, folder = tmp_path / "store", tmp_path / "pod-outputs"
+    (store / "code").mkdir(parents=True)
+    (store / "code" / "train.py").write_text("print('hi')\n")
+    folder.mkdir()
+    (folder / "left-by-an-earlier-agent.txt").write_text("stale")
+    agent = (
+        "import json, pathlib, time\n"
+        f"out = pathlib.Path({str(folder)!r})\n"
+        "assert (out / 'code' / 'train.py').read_text() == \"print('hi')\\n\"\n"
+        "assert not (out / 'left-by-an-earlier-agent.txt').exists()\n"
+        "(out / 'logs').mkdir()\n"
+        "(out / 'logs' / 'rank-0.log').write_text('step 1\\n')\n"
+        f"deadline = time.monotonic() + 30\n"
+        f"while not pathlib.Path({str(store / 'logs' / 'rank-0.log')!r}).exists():\n"
+        "    assert time.monotonic() < deadline, 'not copied while running'\n"
+        "    time.sleep(0.05)\n"
+        "(out / 'summary.json').write_text(json.dumps({'done': True}))\n"
+        "raise SystemExit(3)\n"
+    )
+    wrapped = subprocess.run(
+        [sys.executable, "-m", "clusterfit.backends.node_copy", "--url", f"file://{store}", "--folder", str(folder),
+         "--every", "0.1", "--", sys.executable, "-c", agent],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert wrapped.returncode == 3, wrapped.stderr
+    assert json.loads((store / "summary.json").read_text()) == {"done": True}, "the last copy, after the end"
+    assert (store / "logs" / "rank-0.log").read_text() == "step 1\n"
+    assert not folder.exists()
+    assert not (store / "left-by-an-earlier-agent.txt").exists()
 
 
 def test_an_upload_cut_off_by_the_store_going_down_is_never_resumed_from(own_azurite: Azurite, tmp_path: Path) -> None:

@@ -3,7 +3,8 @@ operator runs one pod per node whose container is torchrun's agent, rendezvousin
 
 Rendered as two manifests: a ConfigMap holding the resolved job.yaml (mounted at /etc/clusterfit) and the
 PyTorchJob. outputs.dir is a ReadWriteMany PersistentVolumeClaim mounted on every pod (logs, checkpoints and
-the model land there); a command job's `code` must be in the image or on a mounted claim.
+the model land there), or a URL: then each pod works in a folder of its own that the store fills and keeps. A
+command job's `code` must be in the image or on a mounted claim.
 
 The pods meet the restricted Pod Security Standard (so they run in namespaces that enforce it): a non-root user
 and group (`run_as_user`, also the claim's group through fsGroup), no privilege escalation, every capability
@@ -20,18 +21,21 @@ from typing import Any
 import yaml
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.node_copy import node_copy_command
 from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import RDZV_PORT, torchrun_command, worker_env
 from clusterfit.errors import EngineError, SpecError
 from clusterfit.outputs.layout import RESOLVED_SPEC
 from clusterfit.outputs.resolved_spec import resolved_spec_text
-from clusterfit.spec.model import JobSpec
+from clusterfit.spec.model import JobSpec, is_url
+from clusterfit.storage.filesystems import Credentials
 
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 WORKDIR = "/workspace"  # the image's WORKDIR: relative paths in the spec resolve here, as on a laptop
 SPEC_DIR = "/etc/clusterfit"
 DATA_MOUNT = "/data"
 HOME = "/home/clusterfit"  # an emptyDir: caches (~/.cache) must be writable by a uid the image may not know
+POD_OUTPUTS = "/clusterfit/outputs"  # with outputs at a URL: each pod's own folder of them, an emptyDir
 _CONTAINER = "pytorch"  # the training operator finds the training container by this name
 _POLL_EVERY_S = 2.0
 _RETRY_NOTE = "with limits.max_retries the job is submitted again after a pause"
@@ -51,7 +55,13 @@ def _cores(cpu: str) -> int:
     return int(cpu[:-1]) // 1000 if cpu.endswith("m") else int(float(cpu))
 
 
-def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
+def render_manifests(spec: JobSpec, outputs_store: str | None = None) -> list[dict[str, Any]]:
+    """The ConfigMap (job.yaml) and the PyTorchJob. With outputs at a URL (`outputs_store`, or a URL
+    outputs.dir), each pod works in an emptyDir of its own and its agent runs under the node copy
+    (backends/node_copy.py), which fills it from the store and copies it back; no claim is mounted."""
+    store = outputs_store or (spec.outputs.dir if is_url(spec.outputs.dir) else None)
+    if store is not None:
+        spec = spec.model_copy(update={"outputs": spec.outputs.model_copy(update={"dir": POD_OUTPUTS})})
     if spec.storage.sas_token is not None:
         raise SpecError(
             "storage.sas_token cannot be handed to Kubernetes pods yet; put the token in a Secret and set "
@@ -66,6 +76,9 @@ def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
     command = torchrun_command(
         spec, python="python", rdzv_endpoint=f"{name}-worker-0:{RDZV_PORT}", run_id=name, spec_path=spec_path
     )
+    if store is not None:
+        creds = Credentials(spec.storage.account_name, spec.storage.endpoint)  # a SAS token is refused above
+        command = node_copy_command(store, POD_OUTPUTS, spec.outputs.upload_every_s, creds, command)
     threads = max(1, _cores(k8s.cpu) // nproc)
     env = {**worker_env(threads), "HOME": HOME, **spec.environment_variables}
     quantities = {"cpu": k8s.cpu, "memory": k8s.memory}
@@ -79,7 +92,9 @@ def render_manifests(spec: JobSpec) -> list[dict[str, Any]]:
     ]
     volumes: list[dict[str, Any]] = [
         {"name": "job-spec", "configMap": {"name": f"{name}-spec"}},
-        {"name": "outputs", "persistentVolumeClaim": {"claimName": k8s.outputs_claim}},
+        {"name": "outputs", "emptyDir": {}}
+        if store is not None
+        else {"name": "outputs", "persistentVolumeClaim": {"claimName": k8s.outputs_claim}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         {"name": "home", "emptyDir": {}},
     ]
@@ -183,8 +198,9 @@ class KubernetesBackend:
             files={manifests_file: manifests_text(render_manifests(spec))},
         )
 
-    def submit(self, spec: JobSpec) -> PolledRun:
-        config_map, job = render_manifests(spec)
+    def submit(self, spec: JobSpec, outputs_store: str | None = None) -> PolledRun:
+        """`outputs_store`: the URL of the job's outputs, whose local copy (the launcher's) `spec.outputs.dir` is."""
+        config_map, job = render_manifests(spec, outputs_store)
         core, custom = _clients()
         namespace = spec.resources.kubernetes.namespace
         from kubernetes.client.exceptions import ApiException

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.node_copy import NodeCopy
 from clusterfit.backends.polled import wait_for_exit
 from clusterfit.backends.torchrun import (
     resolved_spec_file,
@@ -50,7 +50,7 @@ from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, is_running, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
 from clusterfit.storage.filesystems import Credentials, credentials
-from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror, Uploader
+from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror
 
 NAMESPACE = "clusterfit"
 PLACEMENT_STRATEGY = "STRICT_SPREAD"  # one bundle per Ray node, never two agents on one node
@@ -443,8 +443,7 @@ class NodeAgent:
         self._finished_at: float | None = None  # once the agent exited and (outputs at a URL) its node's copy is up
         self._ended: threading.Thread | None = None
         self._tree: dict[int, str] = {}  # pid -> start time of the agent and every descendant seen so far
-        self._uploader: Uploader | None = None
-        self._agent_log: Path | None = None
+        self._node_copy: NodeCopy | None = None  # outputs at a URL: this node's own folder of them
 
     def where(self) -> NodePlace:
         import ray
@@ -482,15 +481,13 @@ class NodeAgent:
         if store is not None:
             cwd = cwd if os.path.isdir(cwd) else str(outputs.root)
             agent_log_path = outputs.node_agent_log(node)
-            # The store is the truth: what an earlier agent of this slot left here (a lost node) would go up again.
-            shutil.rmtree(outputs.root, ignore_errors=True)
-            mirror = OutputsMirror(outputs, store.url, store.creds, role=MirrorRole.NODE)
-            mirror.pull()  # the code, the earlier attempts' logs and metrics, and the newest checkpoint
-            self._uploader = Uploader(mirror, store.upload_every_s, lambda line: _say(agent_log_path, line))
+            self._node_copy = NodeCopy(
+                outputs.root, store.url, store.creds, store.upload_every_s, lambda line: _say(agent_log_path, line)
+            )
+            self._node_copy.fill()
         for path, content in files.items():
             write_atomically(Path(cwd, path), content)
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        self._agent_log = agent_log_path
         with open(agent_log_path, "a") as agent_log:
             self._process = subprocess.Popen(
                 command,
@@ -502,8 +499,6 @@ class NodeAgent:
                 start_new_session=True,
                 preexec_fn=stop_with_parent,  # a killed actor leaves no training processes behind
             )
-        if self._uploader is not None:
-            self._uploader.__enter__()
         self._ended = threading.Thread(target=self._record_exit, daemon=True)
         self._ended.start()
         return self._process.pid
@@ -542,14 +537,8 @@ class NodeAgent:
         assert self._process is not None
         self._process.wait()
         try:
-            if self._uploader is not None:
-                outputs = self._uploader.mirror.outputs
-                try:
-                    self._uploader.finish()
-                    shutil.rmtree(outputs.root, ignore_errors=True)
-                except ClusterfitError as exc:
-                    assert self._agent_log is not None
-                    _say(self._agent_log, f"outputs: {exc}; this node's copy stays in {outputs.root}")
+            if self._node_copy is not None:
+                self._node_copy.close()
         finally:
             self._finished_at = time.time()  # whatever became of the upload: the job must not wait forever
 

@@ -59,6 +59,11 @@ class Outcome(enum.Enum):
     FAILED = "failed"
 
 
+# Engines whose nodes each work in a folder of their own when the outputs are at a URL (Ray's actors, Kubernetes
+# pods); on the others (local, Slurm) the workers write the folder this process sees.
+_OWN_FOLDERS = ("ray", "kubernetes")
+
+
 def this_supervisor() -> dict[str, str]:
     return {"host": socket.gethostname(), "pid": str(os.getpid()), "start_time": process_start_time(os.getpid()) or ""}
 
@@ -106,13 +111,13 @@ class Supervisor:
         mirror = None
         try:
             spec = spec_of(job)
-            # On Kubernetes the outputs are on the cluster's volume, not here.
-            if self._outputs_claim is None and spec.resources.backend != "kubernetes":
-                self._outputs_claim = claim_outputs(Path(spec.outputs.dir), job.id)
             url = outputs_url(job)
+            # On Kubernetes a folder outputs.dir is the cluster's volume, not here.
+            if self._outputs_claim is None and (spec.resources.backend != "kubernetes" or url is not None):
+                self._outputs_claim = claim_outputs(Path(spec.outputs.dir), job.id)
             if url is not None:
-                # On Ray the nodes share no folder with this one: they write the store, this copy reads it back.
-                role = MirrorRole.LAUNCHER if spec.resources.backend == "ray" else MirrorRole.FOLDER
+                # Where the nodes share no folder with this one, they write the store and this copy reads it back.
+                role = MirrorRole.LAUNCHER if spec.resources.backend in _OWN_FOLDERS else MirrorRole.FOLDER
                 mirror = OutputsMirror(JobOutputs.at(spec.outputs.dir), url, credentials(spec.storage), role=role)
                 mirror.claim(job.id, writer_ttl_s(spec.outputs.upload_every_s))  # one job per store copy
                 self._restore(mirror)  # a fresh machine resumes where the store's copy ends

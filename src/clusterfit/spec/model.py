@@ -707,17 +707,11 @@ class JobSpec(_Strict):
     @model_validator(mode="after")
     def _outputs_url_where_the_supervisor_sees_it(self) -> JobSpec:
         # NOTE: on Slurm the job's supervisor uploads the outputs, so outputs.cache_dir must be on a filesystem
-        # every node sees, as outputs.dir must without a URL (on Ray each node uploads its own folder);
-        # Kubernetes pods write to a volume claim the launcher does not see.
+        # every node sees, as outputs.dir must without a URL (on Ray and Kubernetes each node uploads its own).
         if is_url(self.outputs.dir) and "?" in self.outputs.dir:
             raise ValueError(
                 "outputs.dir: a URL with a query string (a SAS token?) would be stored with the job; give the URL "
                 "alone and the token in storage.sas_token or the environment"
-            )
-        if is_url(self.outputs.dir) and self.resources.backend == "kubernetes":
-            raise ValueError(
-                f"outputs.dir = {self.outputs.dir!r}: on kubernetes the outputs are on the volume claim "
-                "(resources.kubernetes.outputs_claim); give a path there"
             )
         return self
 
