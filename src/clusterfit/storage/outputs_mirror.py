@@ -9,11 +9,11 @@ store a copy of it, from a process that is not training (the job's supervisor), 
   rotated away locally are deleted from the store once a newer one is complete there.
 - `pull()` makes a fresh node's folder the store's: files missing here are downloaded, and the newest complete
   checkpoint in the store (verified against its manifest after the download) unless one as new is here.
-- Where the nodes share no folder (outputs at a URL on Ray), each node works in a folder of its own and the store
-  is what they share (`MirrorRole`): each node's mirror uploads what its ranks write, heartbeats included;
-  checkpoint parts of other ranks come to the node of rank 0 through the store before it publishes; and the
-  launcher's copy only uploads its own files (job.yaml, code/, supervisor.log) and reads the rest back, logs
-  by appending what is new so a follower of them sees them grow.
+- Where the nodes share no folder (outputs at a URL on Ray and Kubernetes), each node works in a folder of its
+  own and the store is what they share (`MirrorRole`): each node's mirror uploads what its ranks write,
+  heartbeats included; checkpoint parts of other ranks come to the node of rank 0 through the store before it
+  publishes; and the launcher's copy only uploads its own files (job.yaml, code/, supervisor.log) and reads the
+  rest back, logs by appending what is new so a follower of them sees them grow.
 - `claim()` makes a job the one writer of the store's copy, as the local lock does for a folder: a record in the
   store names the job, its machine and process, renewed at every push. Another job finds it and stops in one
   line while that writer lives: a process of this machine is checked directly; one elsewhere counts as alive
