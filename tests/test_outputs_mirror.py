@@ -205,6 +205,21 @@ def test_nodes_without_a_shared_folder_share_the_store(
     following.close()
 
 
+def test_an_object_named_to_climb_out_of_the_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Object names may hold `..` (S3 keys do; Azurite refuses them, a folder store cannot hold them, fsspec's
+    in-memory store keeps them as given): whoever can write the store must not write outside the job's folder."""
+    import fsspec
+
+    fsspec.filesystem("memory").pipe_file("/job-climb/logs/../../../escaped.txt", b"x")
+    here = JobOutputs.at(tmp_path / "deep" / "here")
+    for role in (MirrorRole.FOLDER, MirrorRole.LAUNCHER):
+        mirror = OutputsMirror(here, "memory://job-climb", Credentials(), role=role)
+        with pytest.raises(StorageError, match=r"escaped.txt: this object would land outside .*; refusing it") as e:
+            mirror.pull() if role is MirrorRole.FOLDER else mirror.push()
+        assert not e.value.retryable
+    assert not list(tmp_path.rglob("escaped.txt*"))
+
+
 def test_a_node_s_agent_runs_between_its_folder_filled_from_the_store_and_its_last_copy_to_it(tmp_path: Path) -> None:
     """`python -m clusterfit.backends.node_copy` (a Kubernetes pod's command): the agent finds the store's files,
     what it writes reaches the store while it runs and after it ends, its exit code is the wrapper's, and the

@@ -365,6 +365,7 @@ class OutputsMirror:
         }
 
     def _download(self, rel: str, local: Path, moved: Transfer, size: int) -> None:
+        self._refuse_outside(rel, local)
         local.parent.mkdir(parents=True, exist_ok=True)
         part = local.with_name(local.name + ".part")
         self.fs.get_file(f"{self.root}/{rel}", str(part))
@@ -373,6 +374,16 @@ class OutputsMirror:
         if local.is_relative_to(self.outputs.root):  # the store's already: not uploaded back unless changed here
             stat = local.stat()
             self._sent[local.relative_to(self.outputs.root).as_posix()] = (stat.st_size, stat.st_mtime_ns)
+
+    def _refuse_outside(self, rel: str, local: Path) -> None:
+        """Anyone who can write the store names the files: a name climbing out of this folder (`..`) is refused,
+        never written."""
+        if not local.resolve().is_relative_to(self.outputs.root.resolve()):
+            raise StorageError(
+                f"{public(self.url)}/{rel}: this object would land outside {self.outputs.root}; refusing it "
+                "(remove it from the store)",
+                retryable=False,
+            )
 
     def _read_back(self, moved: Transfer) -> None:
         """The launcher's copy: every file the nodes changed in the store since the last look, checkpoints aside
@@ -384,6 +395,7 @@ class OutputsMirror:
             if top in _NOT_MIRRORED or top == CHECKPOINT_DIR or self.role.writes(rel) or rel.endswith(_SENT):
                 continue
             local = self.outputs.root / rel
+            self._refuse_outside(rel, local)
             have = _size_or_none(local) or 0
             if not (_under(rel, _APPENDED) and 0 < have < size and self._append_new_bytes(rel, local, have, size)):
                 self._download(rel, local, moved, size)

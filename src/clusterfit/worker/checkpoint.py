@@ -103,7 +103,7 @@ class CheckpointStore:
         # The loop mutates parameters and optimizer buffers in place from the next step on: write a copy.
         self._background = _BackgroundSave(
             target=self._write_and_publish,
-            args=(tmp, final, step, info, _detached_copy(shared), owns),
+            args=(tmp, final, step, info, _tensors_on(shared, "cpu", copy=True), owns),
             name=f"checkpoint-{step}",
         )
         self._background.start()
@@ -140,7 +140,8 @@ class CheckpointStore:
         if path is None:
             return None
         own = scatter_from_main(owns, self.env)
-        return LoadedCheckpoint(Path(path), _detached_copy(shared, device), own)
+        # No copy: rank 0's state is its own load, the others' came unpickled; only the device may change.
+        return LoadedCheckpoint(Path(path), _tensors_on(shared, device, copy=False), own)
 
     def _read_newest(self) -> tuple[str, dict[str, Any], list[Any]] | None:
         path = newest_verified(self.root, _report_unusable)
@@ -184,14 +185,15 @@ class _BackgroundSave(threading.Thread):
             raise RuntimeError(f"asynchronous checkpoint {self.name} failed: {self.error}") from self.error
 
 
-def _detached_copy(obj: Any, device: torch.device | str = "cpu") -> Any:
-    """The same nested dicts/lists with every tensor copied to memory of `device` that nothing else writes to."""
+def _tensors_on(obj: Any, device: torch.device | str, *, copy: bool) -> Any:
+    """The same nested dicts/lists with every tensor detached and on `device`; with `copy`, in memory that nothing
+    else writes to (the training loop goes on changing the originals)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to(device, copy=True)
+        return obj.detach().to(device, copy=copy)
     if isinstance(obj, dict):
-        return {key: _detached_copy(value, device) for key, value in obj.items()}
+        return {key: _tensors_on(value, device, copy=copy) for key, value in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_detached_copy(value, device) for value in obj)
+        return type(obj)(_tensors_on(value, device, copy=copy) for value in obj)
     return obj
 
 
