@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -390,13 +391,17 @@ def test_one_job_at_a_time_writes_a_store_copy(azurite: Azurite, tmp_path: Path)
     assert not stopped.value.retryable
     second.push()
 
-    # Two claims at once: both write their record, the last write stands, and the other job stops.
+    # Two claims at once: both write their record, the last write stands, and the other job stops. job-c's
+    # claim is written once job-d's record is in the store, while job-d waits to read it back.
     recorded("another-machine", 1, "1", age_s=90)
-    late = threading.Timer(0.2, recorded, args=("another-machine", 2, "2", 0))
-    late.start()
-    with pytest.raises(OutputsInUse, match="in use by job job-c \\(pid 2 on another-machine"):
-        OutputsMirror(_job_folder(tmp_path / "d"), url, Credentials()).claim("job-d", ttl_s=60, settle_s=0.6)
-    late.join()
+    fourth = OutputsMirror(_job_folder(tmp_path / "d"), url, Credentials())
+    writer_file = f"{second.root}/.clusterfit-writer.json"
+    with ThreadPoolExecutor(1) as pool:
+        claiming = pool.submit(fourth.claim, "job-d", ttl_s=60, settle_s=3)
+        wait_for(lambda: json.loads(second.fs.cat_file(writer_file))["job"] == "job-d", 3, "job-d's record", 0.02)
+        recorded("another-machine", 2, "2", age_s=0)
+        with pytest.raises(OutputsInUse, match="in use by job job-c \\(pid 2 on another-machine"):
+            claiming.result()
     second.claim("job-b", ttl_s=0.1, settle_s=0)  # job-c's record is stale at a 0.1 s ttl: job-b writes again
 
     fresh = JobOutputs.at(tmp_path / "fresh")

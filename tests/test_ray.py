@@ -257,7 +257,10 @@ def test_service_runs_a_submitted_ray_job_and_cancels_it(ray_cluster: RayCluster
     assert ray_cluster.placement_groups()[ref["id"]] == "REMOVED"
 
 
-ELASTIC_STEPS = 400  # about a minute on two busy cores: time for a loss and a join before the end
+ELASTIC_STEPS = 400
+# A join takes 16 s on an idle machine, while one node alone trained the rest of the 400 steps in 20 s: rank 0
+# is made a straggler (a sleep after each step) so that the job outlasts a loss and a join on any machine.
+ELASTIC_PACE = "slow:rank=0:step=1:seconds=0.05"
 
 
 def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: RayCluster, tmp_path: Path) -> None:
@@ -273,6 +276,7 @@ def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: 
     job["outputs"] = {"dir": url, "cache_dir": str(cache), "upload_every_s": 1}
     job["resources"] = {"instance_count": "1:2", "backend": "ray"}
     job["distribution"] = {"type": "pytorch", "process_count_per_instance": 1, "max_restarts": 3}
+    job["environment_variables"] = {"CLUSTERFIT_FAULT": ELASTIC_PACE}
     with open(tmp_path / "launcher.log", "w") as log:
         launcher = subprocess.Popen(
             cli_command("run", str(write_job(tmp_path / "job.yaml", job))),

@@ -329,3 +329,42 @@ def test_the_model_card_states_the_resampling_a_scorer_must_use(tmp_path: Path) 
         del written["preprocessing"][field]
     (folder / "model_card.json").write_text(json.dumps(written))
     assert read_model_card(folder).preprocessing == card
+
+
+def test_a_rank_s_error_file_is_whole_and_torchrun_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's error file is written beside its place and renamed: a rank stopped while writing it leaves
+    no empty file for the agent to choke on, and the agent reads the finished one as its own format."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from clusterfit.worker.__main__ import WholeErrorFile
+
+    error_file = tmp_path / "rank-1.error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    try:
+        raise ValueError("a bad batch")
+    except ValueError as exc:
+        WholeErrorFile().record_exception(exc)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    assert failure.message["message"] == "ValueError: a bad batch"
+    assert 'raise ValueError("a bad batch")' in failure.error_file_data["message"]["extraInfo"]["py_callstack"]
+    assert [p.name for p in tmp_path.iterdir()] == ["rank-1.error.json"]
+
+
+def test_injected_faults_fire_once_and_a_straggler_from_its_step_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from clusterfit.worker.faults import Fault, InjectedFault
+
+    assert Fault.parse("slow:rank=0:step=3:seconds=0.05") == Fault("slow", 0, 3, None, 0.05)
+    assert Fault.parse("raise:rank=1:step=2:attempt=1") == Fault("raise", 1, 2, 1)
+    failure = Fault.parse("raise:rank=1:step=2")
+    for rank, step in [(1, 1), (1, 3), (0, 2)]:
+        failure.trigger(rank, step)
+    with pytest.raises(InjectedFault, match="rank 1 after step 2"):
+        failure.trigger(1, 2)
+    slept: list[float] = []
+    monkeypatch.setattr("clusterfit.worker.faults.time.sleep", slept.append)
+    straggler = Fault.parse("slow:rank=0:step=3:seconds=0.05")
+    for rank, step in [(0, 1), (0, 2), (1, 3), (0, 3), (0, 4), (0, 90)]:
+        straggler.trigger(rank, step)
+    assert slept == [0.05, 0.05, 0.05]
+    with pytest.raises(ValueError, match="KIND one of"):
+        Fault.parse("crawl:rank=0:step=1")

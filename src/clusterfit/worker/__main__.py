@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
+import json
 import logging
 import os
 import sys
 import threading
+import time
+import traceback
+from pathlib import Path
 from typing import NoReturn
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from clusterfit.data.staging import stage_inputs
+from clusterfit.files import write_atomically
 from clusterfit.outputs import RANK_LOG_ENV, JobOutputs, Phase
 from clusterfit.spec import load_spec
 from clusterfit.worker.dist import read_dist_env, shutdown_distributed
@@ -21,7 +27,24 @@ from clusterfit.worker.heartbeat import Heartbeat
 from clusterfit.worker.train import train
 
 
-@record  # writes the exception to torchrun's error file, so the agent can name the failing rank and cause
+class WholeErrorFile(ErrorHandler):
+    """torch's handler for `record`, writing the error file whole or not at all. torch's own opens the file and
+    then writes it: a rank whose peer had failed, writing its own "connection reset" error when the agent's
+    SIGTERM came, left the file empty, and the agent died parsing it before it noted any rank's exit, so the
+    job's cause (the peer's OOM kill) was lost. The data is torch's format, which the agent and the job
+    service read."""
+
+    def record_exception(self, e: BaseException) -> None:
+        path = self._get_error_file_path()
+        if not path:
+            return
+        extra = {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))}
+        message = {"message": f"{type(e).__name__}: {e}", "extraInfo": extra}
+        write_atomically(Path(path), json.dumps({"message": message}))
+
+
+# `record` writes the exception to torchrun's error file, so the agent can name the failing rank and cause.
+@functools.partial(record, error_handler=WholeErrorFile())
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clusterfit.worker")
     parser.add_argument("--spec", required=True, help="resolved job spec (YAML) written by the launcher")

@@ -4,7 +4,9 @@
 `environment_variables`) makes rank R, after training step S (of attempt A only, when given), do KIND:
 `raise` an exception, `hang` forever (sleeping, as a deadlocked rank would), `exit` with code 3, `kill` itself with
 SIGKILL (as another process would), or `oom`: take memory until the kernel's OOM killer stops the process (run
-it under a memory limit, e.g. a container's)."""
+it under a memory limit, e.g. a container's). `slow:rank=R:step=S:seconds=T` makes rank R a straggler instead: it
+sleeps T seconds (0.1 by default) after step S and every step after, which paces the whole job, since the other
+ranks wait for it in each all-reduce."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 from clusterfit.outputs import ATTEMPT_ENV, FAULT_ENV
 
-_KINDS = ("raise", "hang", "exit", "kill", "oom")
+_KINDS = ("raise", "hang", "exit", "kill", "oom", "slow")
 _OOM_CHUNK_BYTES = 64 << 20
 
 
@@ -29,6 +31,7 @@ class Fault:
     rank: int
     step: int
     attempt: int | None = None
+    seconds: float = 0.1  # a straggler's delay per step
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -36,13 +39,22 @@ class Fault:
         values = dict(field.split("=", 1) for field in fields)
         if kind not in _KINDS or not {"rank", "step"} <= values.keys():
             raise ValueError(f"{FAULT_ENV}={text!r}: expected KIND:rank=R:step=S[:attempt=A], KIND one of {_KINDS}")
-        attempt = values.get("attempt")
-        return cls(kind, int(values["rank"]), int(values["step"]), int(attempt) if attempt else None)
+        attempt, seconds = values.get("attempt"), values.get("seconds")
+        return cls(
+            kind,
+            int(values["rank"]),
+            int(values["step"]),
+            int(attempt) if attempt else None,
+            float(seconds) if seconds else cls.seconds,
+        )
 
     def trigger(self, rank: int, step: int) -> None:
-        if rank != self.rank or step != self.step:
+        if rank != self.rank or step < self.step or (step > self.step and self.kind != "slow"):
             return
         if self.attempt is not None and int(os.environ.get(ATTEMPT_ENV, "1")) != self.attempt:
+            return
+        if self.kind == "slow":
+            time.sleep(self.seconds)
             return
         if self.kind == "raise":
             raise InjectedFault(f"injected failure on rank {rank} after step {step}")
