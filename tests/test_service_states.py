@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import socket
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from clusterfit.backends.kubernetes import api_refusal
 from clusterfit.backends.slurm import sbatch_refusal
 from clusterfit.data.staging import StagingError
 from clusterfit.errors import ClusterfitError, DataError, EngineError, SpecError
-from clusterfit.outputs import JobOutputs
+from clusterfit.outputs import JobOutputs, Phase, RankBeat, write_heartbeat
 from clusterfit.service.causes import (
     Evidence,
     RankException,
@@ -367,6 +368,24 @@ def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> 
         pytest.param(
             Evidence(exit_code=-9), FailureCause.SIGNAL, "the job's agent was killed by SIGKILL", id="agent-killed"
         ),
+        pytest.param(
+            Evidence(
+                exit_code=1,
+                agent_tail=("json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)",),
+                oom_kills=1,
+                rank_pids={0: 50, 1: 123},
+                oom_killed_pids=frozenset({123}),
+            ),
+            FailureCause.OOM,
+            "rank 1 killed by the kernel's OOM killer",
+            id="the-agent-failed-without-its-summary-after-an-oom-kill-of-a-rank",
+        ),
+        pytest.param(
+            Evidence(exit_code=1, oom_kills=1, rank_pids={0: 50, 1: 123}, oom_killed_pids=frozenset({77})),
+            FailureCause.EXIT_CODE,
+            "the job exited with code 1",
+            id="the-agent-failed-while-another-process-was-oom-killed",
+        ),
     ],
 )
 def test_failure_causes_from_evidence(evidence: Evidence, cause: FailureCause, summary_has: str) -> None:
@@ -562,3 +581,15 @@ def test_a_shell_s_killed_program_is_named_on_its_rank_not_on_the_rank_the_agent
     assert classify(evidence).summary == (
         "rank 1 exited with code 137 (128 + 9: its program was killed by SIGKILL (signal 9))"
     )
+
+
+def test_without_the_agents_summary_the_ranks_pids_come_from_their_heartbeats(tmp_path: Path) -> None:
+    """torchrun's agent can fail before it writes its summary; the pids of this node's ranks are still known."""
+    outputs = JobOutputs(tmp_path)
+    outputs.logs.mkdir()
+    (outputs.logs / "agent.log").write_text("json.decoder.JSONDecodeError: Expecting value: line 1 column 1\n")
+    for rank, pid, host in [(0, 50, socket.gethostname()), (1, 123, socket.gethostname()), (2, 9, "another-node")]:
+        write_heartbeat(outputs, RankBeat(rank, Phase.TRAINING.value, 2, 0.0, None, pid, host, 1))
+    assert gather_evidence(outputs, exit_code=1).rank_pids == {0: 50, 1: 123}
+    (outputs.logs / "agent.log").write_text(AGENT_SUMMARY)
+    assert gather_evidence(outputs, exit_code=1).rank_pids[1] == 22250, "the agent's summary, where there is one"

@@ -9,11 +9,12 @@ import json
 import os
 import re
 import signal
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterfit.errors import ClusterfitError, DataError, SpecError
-from clusterfit.outputs import JobOutputs
+from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.outputs.logs import rank_logs, rank_of_error_file
 from clusterfit.service.states import FailureCause
 
@@ -67,7 +68,7 @@ class Evidence:
     # names one as its root cause (a SIGKILLed rank has no error file, so a peer's later one can look older).
     stopped_by_agent: frozenset[int] = frozenset()
     oom_kills: int = 0  # OOM kills the kernel counted on this node during the attempt
-    rank_pids: dict[int, int] = field(default_factory=dict)  # rank -> pid, from the agent's summary
+    rank_pids: dict[int, int] = field(default_factory=dict)  # rank -> pid: the agent's summary, else heartbeats
     # Pids the kernel's log says the OOM killer killed; None where that log cannot be read (no CAP_SYSLOG).
     oom_killed_pids: frozenset[int] | None = None
 
@@ -106,6 +107,11 @@ def classify(evidence: Evidence) -> Failure:
     if signalled and all(_PEER_LOST.search(e.message) for e in evidence.exceptions):
         # Only a lost peer was raised: the killed rank is the cause, whichever agent reported first.
         return _killed(*next(iter(signalled.items())), evidence)
+    oom_killed = [rank for rank, pid in sorted(evidence.rank_pids.items()) if pid in (evidence.oom_killed_pids or ())]
+    if not evidence.rank_exits and oom_killed:
+        # The agent ended without its summary of the ranks' exits (torchrun itself failed), but the kernel's log
+        # names a rank of this job that it OOM-killed: the other ranks' errors followed from that.
+        return _killed(oom_killed[0], -signal.SIGKILL, evidence)
     if evidence.exceptions:
         first = next((e for e in evidence.exceptions if e.rank == root_rank), evidence.exceptions[0])
         return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
@@ -206,6 +212,9 @@ def gather_evidence(
     log_dir = outputs.logs
     agent_lines = _lines_since(outputs.agent_log, agent_log_start)
     exits, root_rank, stopped_by_agent, pids = _agent_rank_exits(agent_lines)
+    if not pids:  # no summary from the agent: the pids the ranks on this node gave in their heartbeats
+        host = socket.gethostname()
+        pids = {rank: beat.pid for rank, beat in read_heartbeats(outputs).items() if beat.host == host}
     return Evidence(
         exit_code=exit_code,
         exceptions=tuple(_exceptions(log_dir)),
