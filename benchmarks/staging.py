@@ -6,9 +6,12 @@ timed. Then, in rotating order for `--rounds` rounds:
 
 - the store's ceiling: raw concurrent GETs with the Azure SDK's async client, each object read into memory, at
   every concurrency of `--ceiling-concurrency` (each round starts with a different one);
-- the same GETs written to plain files, with nothing else (what the node's disk adds);
+  and once more at `--workers` in flight without the SDK's environment lookups (aiohttp reads the proxy
+  variables and .netrc for every request unless told not to);
+- the same GETs written to plain files, with nothing else (what the node's disk adds), without those lookups;
 - `clusterfit.data.staging.stage` of the small files and of the large file: the copy a job's workers make with
-  `mode: download` (`--workers` transfers at a time, sha256 of every file, journal, manifest).
+  `mode: download` (`--workers` transfers at a time, sha256 of every file, journal, manifest); and of the small
+  files once more with a proxy variable set (`NO_PROXY`), where clusterfit keeps the SDK's lookups.
 
 Prints the median and range of each, and staging's median as a fraction of the best ceiling median. With
 `--previous FILE`, another version of `clusterfit/data/staging.py` is measured in the same rotation.
@@ -53,9 +56,14 @@ def upload(service: BlobServiceClient, names: list[str], file_kb: int) -> None:
     container.upload_blob("large/one.bin", os.urandom(len(names) * file_kb * 1000), overwrite=True, max_concurrency=4)
 
 
-async def raw_gets(connection_string: str, names: list[str], concurrency: int, into: Path | None) -> None:
-    """Every object by one GET, `concurrency` in flight; each written to a file under `into` when given."""
-    async with ContainerClient.from_connection_string(connection_string, CONTAINER) as container:
+async def raw_gets(
+    connection_string: str, names: list[str], concurrency: int, into: Path | None, *, env_lookups: bool = True
+) -> None:
+    """Every object by one GET, `concurrency` in flight; each written to a file under `into` when given.
+    `env_lookups`: the SDK's default, aiohttp reading the proxy variables and .netrc for every request."""
+    async with ContainerClient.from_connection_string(
+        connection_string, CONTAINER, use_env_settings=env_lookups
+    ) as container:
         pending = iter(names)
 
         async def getter() -> None:
@@ -128,7 +136,15 @@ def main(argv: list[str] | None = None) -> int:
                 folder = cache / "plain"
                 for parent in {(folder / name).parent for name in names}:
                     parent.mkdir(parents=True, exist_ok=True)
-                await raw_gets(connection, names, args.workers, folder)
+                await raw_gets(connection, names, args.workers, folder, env_lookups=False)
+
+            def staged_with_a_proxy_setting() -> object:
+                # Any proxy variable keeps aiohttp's per-request lookups on, as the SDK has them by default.
+                os.environ["NO_PROXY"] = "example.invalid"
+                try:
+                    return stage(f"az://{CONTAINER}/small", cache / "staged", Credentials(), workers=args.workers)
+                finally:
+                    del os.environ["NO_PROXY"]
 
             measures: dict[str, Callable[[], object]] = {
                 **{
@@ -137,10 +153,14 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     for c in concurrencies
                 },
+                f"ceiling: GETs into memory, {args.workers} in flight, no environment lookups": lambda: asyncio.run(
+                    raw_gets(connection, names, args.workers, None, env_lookups=False)
+                ),
                 f"GETs into files, {args.workers} in flight": lambda: asyncio.run(gets_into_files()),
                 f"clusterfit staging, {args.workers} transfers": lambda: stage(
                     f"az://{CONTAINER}/small", cache / "staged", Credentials(), workers=args.workers
                 ),
+                f"clusterfit staging, {args.workers} transfers, a proxy variable set": staged_with_a_proxy_setting,
                 f"clusterfit staging, 1 file of {megabytes:.0f} MB": lambda: stage(
                     f"az://{CONTAINER}/large", cache / "large", Credentials(), workers=args.workers
                 ),

@@ -47,8 +47,10 @@ def test_staging_benchmark_script_against_azurite() -> None:
     assert rows[1:] == [
         "ceiling: GETs into memory, 1 in flight",
         "ceiling: GETs into memory, 2 in flight",
+        "ceiling: GETs into memory, 2 in flight, no environment lookups",
         "GETs into files, 2 in flight",
         "clusterfit staging, 2 transfers",
+        "clusterfit staging, 2 transfers, a proxy variable set",
         "clusterfit staging, 1 file of 0 MB",
     ]
     assert "small-file staging: " in result.stdout

@@ -374,3 +374,43 @@ def test_direct_mode_refuses_a_folder_of_loose_files(azurite: Azurite, tiny_imag
         f"error: trainer.data.train = '{url}': mode direct streams packed shards only, and this is a folder of "
         "loose files; use mode: download, or pack it first (clusterfit data pack)"
     ]
+
+
+def test_a_netrc_entry_for_the_store_breaks_nothing_and_a_proxy_variable_is_honoured(
+    azurite: Azurite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store's client skips aiohttp's per-request reading of .netrc and the proxy variables when no proxy
+    variable is set: with them, a .netrc entry for the store's host made every request fail ("Cannot combine
+    AUTHORIZATION header with AUTH argument"). A proxy variable keeps them: the request goes through the proxy."""
+    import socketserver
+    import threading
+
+    container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
+    container.upload_blob("netrc/one.txt", b"one", overwrite=True)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string())
+    for name in [n for n in os.environ if n.lower() in ("http_proxy", "https_proxy", "all_proxy", "no_proxy", "netrc")]:
+        monkeypatch.delenv(name)
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".netrc").write_text("machine 127.0.0.1 login someone password elsewhere\n")
+    (home / ".netrc").chmod(0o600)
+    monkeypatch.setenv("HOME", str(home))
+    fs, _ = open_filesystem(f"az://{CONTAINER}/netrc", Credentials())
+    assert fs.cat_file(f"{CONTAINER}/netrc/one.txt") == b"one"
+
+    requests: list[str] = []
+
+    class RefusingProxy(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            requests.append(self.rfile.readline().decode().strip())
+            self.wfile.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    (home / ".netrc").unlink()
+    with socketserver.TCPServer(("127.0.0.1", 0), RefusingProxy) as proxy:
+        threading.Thread(target=proxy.serve_forever, daemon=True).start()
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.server_address[1]}")
+        fs, _ = open_filesystem(f"az://{CONTAINER}/netrc", Credentials())
+        with pytest.raises(Exception):  # noqa: B017, PT011 - the proxy's refusal, in whichever type the SDK uses
+            fs.cat_file(f"{CONTAINER}/netrc/one.txt")
+        proxy.shutdown()
+    assert requests and requests[0].startswith("GET http://127.0.0.1:") and "/netrc/one.txt" in requests[0]

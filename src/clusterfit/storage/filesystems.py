@@ -66,7 +66,28 @@ def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
         raise StorageError(f"{url}: no filesystem for {protocol}:// ({exc}); {hint}", retryable=False) from None
     except (ValueError, OSError) as exc:
         raise storage_error(url, exc, creds) from None
+    if protocol in ("az", "abfs", "abfss") and not _proxy_settings(os.environ):
+        fs.service_client = _without_environment_lookups(fs.service_client)
     return fs, path.rstrip("/")
+
+
+# What aiohttp reads from the environment for each request when its session trusts the environment.
+_PROXY_SETTINGS = {"http_proxy", "https_proxy", "all_proxy", "no_proxy", "netrc"}
+
+
+def _proxy_settings(environ: dict[str, str] | os._Environ[str]) -> list[str]:
+    return [name for name in environ if name.lower() in _PROXY_SETTINGS]
+
+
+def _without_environment_lookups(client: Any) -> Any:
+    """adlfs's Azure client, made again without the environment's proxy and .netrc settings where the environment
+    has none. With them on (azure-core's default), aiohttp hands two lookups (proxy variables, .netrc) to a thread
+    for every request: a quarter of the client's CPU when staging 1,000 small files. Where a proxy is set the client
+    is kept as it is, so proxies work as before. The new client has the same endpoint (with a SAS token, if any)
+    and credential, from the client's public properties."""
+    from azure.storage.blob.aio import BlobServiceClient
+
+    return BlobServiceClient(account_url=client.url, credential=client.credential, use_env_settings=False)
 
 
 @dataclass(frozen=True)
