@@ -580,23 +580,27 @@ def test_ray_serve_replicas_answer_and_outlive_a_killed_one(ray_cluster: RayClus
             pids = _replica_pids()
             assert len(pids) == 2
             os.kill(pids[0], signal.SIGKILL)
-            failures, answered, started = [], 0, time.monotonic()
-            while time.monotonic() - started < 8:
+            # One request at a time until 30 are answered (each waits out the 0.1 s batch window alone, so how
+            # long that takes depends on the machine's load): the failures stay within a short window, and the
+            # endpoint answers every request after it.
+            failures, answers, started = [], [], time.monotonic()
+            while sum(answers) < 30:
+                assert time.monotonic() - started < 120, f"30 answers after the kill took over 120 s: {failures}"
                 try:
                     ok = http.post("/predict", content=images[0], headers={"Content-Type": "image/jpeg"}).status_code
                 except httpx.HTTPError:
                     ok = 0
-                if ok == 200:
-                    answered += 1
-                else:
+                answers.append(ok == 200)
+                if ok != 200:
                     failures.append(time.monotonic() - started)
                 time.sleep(0.05)
             window = (failures[-1] - failures[0]) if failures else 0.0
             print(
-                f"after a replica was killed: {len(failures)} failed, {answered} answered; error window {window:.2f} s"
+                f"after a replica was killed: {len(failures)} failed, {sum(answers)} answered; error window "
+                f"{window:.2f} s"
             )
-            assert answered > 25 and window < 5, (failures, answered)
-            wait_for(lambda: len(_replica_pids()) == 2, 60, "Ray Serve to replace the killed replica")
+            assert window < 5 and all(answers[-10:]), (failures, answers)
+            wait_for(lambda: len(_replica_pids()) == 2, 180, "Ray Serve to replace the killed replica")
     finally:
         stopped = run_cli("serve-stop", env=ray_cluster.client_env())
         assert stopped.returncode == 0, stopped.stderr[-2000:]

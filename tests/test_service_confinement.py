@@ -40,7 +40,7 @@ class Served:
     def token(self, scope: str, name: str) -> str:
         return issue_token(open_store(self.store_url), scope, timedelta(hours=1), name).secret
 
-    def wait_final(self, job_id: str, timeout: float = 60) -> str:
+    def wait_final(self, job_id: str, timeout: float = 180) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             job = open_store(self.store_url).get(job_id)

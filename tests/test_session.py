@@ -138,7 +138,8 @@ def test_outside_a_job_the_calls_work_and_write_nothing(tmp_path: Path) -> None:
 
 # --- real 2-rank jobs ----------------------------------------------------------------------------------------
 def test_a_reporting_script_shows_its_step_and_metrics_in_status_the_api_and_tensorboard(tmp_path: Path) -> None:
-    job_id = submit(session_job(tmp_path, "reports", "python session_user.py --steps 8 --sleep 0.4"))
+    go = tmp_path / "go"  # the script holds after step 6 until the test has seen it running
+    job_id = submit(session_job(tmp_path, "reports", f"python session_user.py --steps 8 --sleep 0.4 --hold 6:{go}"))
 
     def shown() -> str | None:
         text = status(job_id)
@@ -146,6 +147,7 @@ def test_a_reporting_script_shows_its_step_and_metrics_in_status_the_api_and_ten
 
     running = wait_for(shown, 60, "a reported step and metric")
     print(running)  # the status of a running user-script job
+    go.touch()
     assert "RUNNING" in running and "/8 (" in running and "training step" in running
     assert ended(job_id) == "SUCCEEDED", status(job_id)
     final = status(job_id)

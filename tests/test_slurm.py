@@ -235,6 +235,9 @@ def test_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: Sl
     out = tmp_path / "out"
     job = _long_job(out)
     job["trainer"]["steps_per_epoch"] = 40
+    # Rank 0 a straggler: the signal's way (squeue, scancel, slurmd, the batch shell's trap, scancel again) lands
+    # well before step 40 on any machine, which the two checkpoints below need.
+    job["environment_variables"] = {"CLUSTERFIT_FAULT": "slow:rank=0:step=1:seconds=0.2"}
     launcher = _launch(write_job(tmp_path / "job.yaml", job), tmp_path)
     try:
         _wait_for_step(out, launcher)

@@ -29,7 +29,9 @@ def _worker_pids(resolved_spec: Path) -> list[int]:
 
 def test_sigusr1_checkpoints_stops_and_a_rerun_resumes(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    job = write_job(tmp_path / "job.yaml", tiny_job(out, steps_per_epoch=40, norm_layer="group", log_every_steps=1))
+    spec = tiny_job(out, steps_per_epoch=40, norm_layer="group", log_every_steps=1)
+    spec["environment_variables"] = {"CLUSTERFIT_FAULT": "slow:rank=0:step=1:seconds=0.05"}  # stops before step 40
+    job = write_job(tmp_path / "job.yaml", spec)
     launcher = subprocess.Popen(
         cli_command("run", str(job)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -158,15 +158,15 @@ def test_log_follower_labels_lines_and_follows_rotation(tmp_path: Path) -> None:
 
 def test_heartbeat_file_ends_at_the_last_step_when_steps_come_faster_than_writes(tmp_path: Path) -> None:
     """A rank that hangs right after a few fast steps must be reported at its true last step, timed by it."""
-    # The real interval (1 s): the read below must come before the delayed write even on a busy machine.
-    heartbeat = Heartbeat(JobOutputs(tmp_path), rank=0, hang_timeout=600, images_per_step=8)
+    # A 3 s interval: the read below must come before the delayed write, even on a busy machine.
+    heartbeat = Heartbeat(JobOutputs(tmp_path), rank=0, hang_timeout=600, images_per_step=8, interval=3.0)
     try:
         for step in (1, 2, 3):
             heartbeat.beat(Phase.TRAINING, step)
         last_step_at = time.time()
         assert read_heartbeats(JobOutputs(tmp_path))[0].step == 1  # the first beat is written at once, the others wait
         outputs = JobOutputs(tmp_path)
-        beat = wait_for(lambda: (beat := read_heartbeats(outputs)[0]).step == 3 and beat, 5, "the last step")
+        beat = wait_for(lambda: (beat := read_heartbeats(outputs)[0]).step == 3 and beat, 10, "the last step")
         assert beat.time <= last_step_at  # the step's own time, not the later write's
         assert beat.images_per_s is not None and beat.images_per_s > 0
     finally:

@@ -7,6 +7,7 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2, help="checkpoint every this many steps")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds between steps")
     parser.add_argument("--hang-at", type=int, default=-1, help="every rank stops reporting after this step")
+    parser.add_argument(
+        "--hold", default="", help="STEP:FILE: after reporting STEP, wait (at most 120 s) until the test makes FILE"
+    )
     args = parser.parse_args()
 
     ctx = cf.context()
@@ -39,6 +43,10 @@ def main() -> None:
         cf.report(step=step, total_steps=args.steps, score=value, rank_value=float(ctx.rank), node=float(ctx.node_rank))
         if step == args.hang_at:
             time.sleep(3600)
+        if args.hold and step == int(args.hold.split(":", 1)[0]):
+            go, deadline = Path(args.hold.split(":", 1)[1]), time.monotonic() + 120
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
         stop = cf.should_stop()
         if (step + 1) % args.every == 0 or stop:
             with cf.checkpoint(step) as folder:
