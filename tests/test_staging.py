@@ -414,3 +414,28 @@ def test_a_netrc_entry_for_the_store_breaks_nothing_and_a_proxy_variable_is_hono
             fs.cat_file(f"{CONTAINER}/netrc/one.txt")
         proxy.shutdown()
     assert requests and requests[0].startswith("GET http://127.0.0.1:") and "/netrc/one.txt" in requests[0]
+
+
+def test_a_shard_that_differs_from_its_index_is_named_removed_and_copied_again(
+    azurite: Azurite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shard whose sha256 is not its index's is named in one line and never kept; once the store is right
+    again, a rerun copies it (and what the failed run had not copied yet) and keeps the rest."""
+    src = one_image_per_class(tmp_path / "src", 40)
+    pack_folder(str(src), str(tmp_path / "packed"), shard_size=9_000, workers=1)
+    uploaded = _upload(azurite, tmp_path / "packed", "corrupt40")
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string())
+    shard = sorted(name for name in uploaded if name != "index.json")[1]
+    container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
+    damaged = bytes(b ^ 0xFF for b in uploaded[shard][:64]) + uploaded[shard][64:]  # same size, other bytes
+    container.upload_blob(f"corrupt40/{shard}", damaged, overwrite=True)
+    url, cache = f"az://{CONTAINER}/corrupt40", tmp_path / "cache"
+    with pytest.raises(StagingError, match=rf"corrupt40/{shard}: sha256 \w+… differs from the index's \w+…; "):
+        stage(url, cache, Credentials(), workers=4)
+    data = cache_folder(url, cache) / "data"
+    assert not (data / shard).exists() and (data / "index.json").is_file()
+    container.upload_blob(f"corrupt40/{shard}", uploaded[shard], overwrite=True)
+    arrived: list[str] = []
+    report = stage(url, cache, Credentials(), workers=4, on_file=arrived.append)
+    assert shard in arrived and report.copied_files + report.resumed_files == len(uploaded)
+    assert (data / shard).read_bytes() == uploaded[shard]
