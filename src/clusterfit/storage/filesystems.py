@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,7 +76,7 @@ def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
 _PROXY_SETTINGS = {"http_proxy", "https_proxy", "all_proxy", "no_proxy", "netrc"}
 
 
-def _proxy_settings(environ: dict[str, str] | os._Environ[str]) -> list[str]:
+def _proxy_settings(environ: Mapping[str, str]) -> list[str]:
     return [name for name in environ if name.lower() in _PROXY_SETTINGS]
 
 
