@@ -24,7 +24,8 @@ from test_command_jobs import (
 from test_scoring import assert_every_good_image_scored_once, scoring_job
 from test_session import ended, final_values, session_job, submit
 
-from clusterfit.backends.slurm import SCRIPT, sbatch_script
+from clusterfit.backends.slurm import SCRIPT, SlurmBackend, sbatch_script
+from clusterfit.errors import SpecError
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.migrate import open_store
 from clusterfit.spec import validate_spec
@@ -47,6 +48,29 @@ def test_sbatch_script_matches_the_expected_text() -> None:
     job["environment_variables"] = {"NCCL_DEBUG": "WARN", "GREETING": "hello world"}
     script = sbatch_script(validate_spec(job), python="/opt/venv/bin/python", workdir="/home/me/project")
     assert script == (EXPECTED / "tiny-2-nodes.sbatch").read_text()
+
+
+def test_with_outputs_at_a_url_each_task_runs_its_agent_under_its_node_s_copy(tmp_path: Path) -> None:
+    """The batch script names no folder of the launcher on the nodes: each srun task's agent runs under the node
+    copy, in `outputs.cache_dir/nodes/<copy>-node-$SLURM_NODEID`; an mpi job, whose ranks one mpirun starts,
+    is refused in one line."""
+    job = tiny_job(tmp_path / "unused")
+    job["resources"] = {"instance_count": 2, "backend": "slurm"}
+    job["outputs"] = {"dir": "az://outputs/runs/tiny", "cache_dir": str(tmp_path / "cache")}
+    rendered = SlurmBackend().dry_run(validate_spec(job))
+    copy = cache_folder("az://outputs/runs/tiny", tmp_path / "cache")
+    script = rendered.files[str(copy / SCRIPT)]
+    assert "#SBATCH --output=/tmp/clusterfit-slurm-%j.out" in script and str(copy / "logs") not in script
+    task = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "folder=$1-node-$SLURM_NODEID" in task and '[ "$SLURM_NODEID" = 0 ] && log=agent.log' in task
+    agent = script.splitlines()[script.splitlines().index(task) + 1]
+    assert agent.startswith(f"    {tmp_path / 'cache' / 'nodes' / copy.name} ")
+    assert "-m clusterfit.backends.node_copy --url az://outputs/runs/tiny --folder __NODE_OUTPUTS__" in agent
+    assert "--node-spec --agent-log __NODE_AGENT_LOG__ --" in agent
+    assert "--log-dir=__NODE_OUTPUTS__/logs -m clusterfit.worker --spec __NODE_OUTPUTS__/job.yaml" in agent
+    command_job = {**job, "trainer": None, "command": "python train.py", "distribution": {"type": "mpi"}}
+    with pytest.raises(SpecError, match=r"^outputs.dir = 'az://outputs/runs/tiny': an mpi job on Slurm starts"):
+        SlurmBackend().dry_run(validate_spec(command_job))
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +111,9 @@ def _worker_pids(spec_path: Path) -> list[int]:
 
 
 def test_example_job_runs_to_completion_on_slurm(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """With its outputs at a URL (a folder store, file://): the job works in outputs.cache_dir, on the cluster's
-    shared filesystem, and the store ends with the model, both ranks' logs and no writer."""
+    """With its outputs at a URL (a folder store, file://): the node works in a folder of its own, which its
+    agent's node copy fills from the store, copies back and removes; the launcher's copy reads the store back
+    (the console shows both ranks), and the store ends with the model, both ranks' logs and no writer."""
     store, cache = tmp_path / "store", tmp_path / "shared-cache"
     url = f"file://{store}"
     out = cache_folder(url, cache)
@@ -100,8 +125,12 @@ def test_example_job_runs_to_completion_on_slurm(slurm: SlurmCluster, tmp_path: 
     assert exported_weights(out)
     assert "#SBATCH --nodes=1" in (out / "slurm" / "job.sbatch").read_text()
     assert (store / "model" / "model.safetensors").read_bytes() == (out / "model" / "model.safetensors").read_bytes()
-    assert {"rank-0.log", "rank-1.log"} <= {path.name for path in (store / "logs").iterdir()}
+    assert {"rank-0.log", "rank-1.log", "agent.log"} <= {path.name for path in (store / "logs").iterdir()}
     assert not (store / ".clusterfit-writer.json").exists()
+    assert f"outputs:\n  dir: {out}\n" in (store / "job.yaml").read_text(), "the store keeps the launcher's job.yaml"
+    assert (cache / "nodes").is_dir() and not list((cache / "nodes").iterdir()), "the node's folder goes at its end"
+    script = (out / "slurm" / "job.sbatch").read_text()
+    assert "#SBATCH --output=/tmp/clusterfit-slurm-%j.out" in script and "node_copy --url" in script
 
 
 def test_a_scoring_job_scores_every_image_once_under_sbatch(

@@ -3,11 +3,14 @@ without a ReadWriteMany claim): emptied and filled from the store before the nod
 newest complete checkpoint), copied to the store while the agent runs and once more when it ends, then removed,
 since the store holds it all. What goes which way is the mirror's NODE role (storage/outputs_mirror.py).
 
-Ray's node actor uses `NodeCopy` itself; a Kubernetes pod runs its agent under this module:
+Ray's node actor uses `NodeCopy` itself; a Kubernetes pod and a Slurm task run their agent under this module:
 
-    python -m clusterfit.backends.node_copy --url URL --folder DIR [--every S] -- torchrun ...
+    python -m clusterfit.backends.node_copy --url URL --folder DIR [--every S] [--node-spec] [--agent-log NAME] \
+        -- torchrun ...
 
-which exits with the agent's code, after the last copy. Torch-free."""
+which exits with the agent's code, after the last copy. `--node-spec` makes the job.yaml it fills name DIR as
+outputs.dir (Slurm's nodes each have their own DIR; a pod's is one path, in the job.yaml it mounts);
+`--agent-log` sends the agent's output to DIR/logs/NAME instead of this process's. Torch-free."""
 
 from __future__ import annotations
 
@@ -20,8 +23,11 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from clusterfit.backends.torchrun import resolved_spec_file
 from clusterfit.errors import ClusterfitError
+from clusterfit.files import write_atomically
 from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV, JobOutputs
+from clusterfit.spec import load_spec
 from clusterfit.storage.filesystems import Credentials
 from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror, Uploader
 
@@ -32,13 +38,19 @@ class NodeCopy:
         self.url, self.creds, self.every_s, self.say = url, creds, every_s, say
         self._uploader: Uploader | None = None
 
-    def fill(self) -> None:
+    def fill(self, *, node_spec: bool = False) -> None:
         """Empties the folder (the store is the truth: what an earlier agent of this node left would go up again)
-        and fills it from the store; then copies it back every `every_s` seconds. StorageError if the store
+        and fills it from the store; then copies it back every `every_s` seconds. `node_spec`: the job.yaml filled
+        is rewritten to name this folder as outputs.dir (the launcher's names its own). StorageError if the store
         cannot be read."""
         shutil.rmtree(self.outputs.root, ignore_errors=True)
         mirror = OutputsMirror(self.outputs, self.url, self.creds, role=MirrorRole.NODE)
         mirror.pull()
+        if node_spec:
+            spec = load_spec(self.outputs.resolved_spec)
+            own = spec.model_copy(update={"outputs": spec.outputs.model_copy(update={"dir": str(self.outputs.root)})})
+            for path, text in resolved_spec_file(own).items():  # never uploaded: the store keeps the launcher's
+                write_atomically(Path(path), text)
         self._uploader = Uploader(mirror, self.every_s, self.say).__enter__()
 
     def close(self) -> None:
@@ -54,11 +66,21 @@ class NodeCopy:
 
 
 def node_copy_command(
-    url: str, folder: str, every_s: float, creds: Credentials, command: Sequence[str], python: str = "python"
+    url: str,
+    folder: str,
+    every_s: float,
+    creds: Credentials,
+    command: Sequence[str],
+    python: str = "python",
+    *,
+    node_spec: bool = False,
+    agent_log: str | None = None,
 ) -> list[str]:
     """`command` (a node's agent) run under this module: the node's copy of the outputs around it. Only what
     is not secret goes on the command line; a SAS token comes from the environment."""
     options = ["--url", url, "--folder", folder, "--every", f"{every_s:g}"]
+    options += ["--node-spec"] if node_spec else []
+    options += ["--agent-log", agent_log] if agent_log else []
     if creds.account_name:
         options += ["--account-name", creds.account_name]
     if creds.endpoint:
@@ -73,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=10.0, help="seconds between copies to the store")
     parser.add_argument("--account-name")
     parser.add_argument("--endpoint")
+    parser.add_argument("--node-spec", action="store_true", help="make the filled job.yaml name --folder")
+    parser.add_argument("--agent-log", help="the agent's output to this file under --folder/logs")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the node's agent command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -85,15 +109,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     copy = NodeCopy(Path(args.folder), args.url, creds, args.every, say)
     try:
-        copy.fill()
+        copy.fill(node_spec=args.node_spec)
     except ClusterfitError as exc:
         say(str(exc))
         return 1
-    agent = subprocess.Popen(command)
+    output = None
+    if args.agent_log:
+        copy.outputs.logs.mkdir(parents=True, exist_ok=True)
+        output = open(copy.outputs.logs / Path(args.agent_log).name, "ab")  # noqa: SIM115 - open while the agent runs
+    agent = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if output else None)
     # NOTE: a pod's stop (SIGTERM) is for the agent, which stops its workers; the last copy follows its exit.
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda received, _frame: agent.send_signal(received))
     code = agent.wait()
+    if output is not None:
+        output.close()
     copy.close()
     return code
 

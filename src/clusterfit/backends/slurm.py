@@ -4,7 +4,9 @@ Open MPI `mpirun` instead, which reads the allocation from Slurm and starts its 
 through srun.
 
 outputs.dir must be on a filesystem every node shares (each rank writes logs/rank-N.log there, rank 0 the
-checkpoints and the model), and so must `code` of a command job, which is copied into outputs.dir."""
+checkpoints and the model), and so must `code` of a command job, which is copied into outputs.dir; or the
+outputs are at a URL, and each node then works in a folder of its own (`outputs.cache_dir/nodes/...-node-N`)
+that its agent's node copy (backends/node_copy.py) fills from the store and copies back, as on Ray."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from pathlib import Path
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
 from clusterfit.backends.mpi import find_mpirun, launched_by_mpirun, mpirun_command
+from clusterfit.backends.node_copy import node_copy_command
 from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import (
     resolved_spec_file,
@@ -28,15 +31,22 @@ from clusterfit.backends.torchrun import (
     torchrun_command,
     worker_env,
 )
-from clusterfit.errors import EngineError
+from clusterfit.errors import EngineError, SpecError
 from clusterfit.files import write_atomically
 from clusterfit.outputs import JobOutputs
-from clusterfit.spec.model import JobSpec
+from clusterfit.spec.model import JobSpec, is_url
+from clusterfit.storage.filesystems import Credentials, cache_folder, credentials, public
+from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror
 
 SCRIPT = "slurm/job.sbatch"  # under outputs.dir
 CHECKPOINT_SIGNAL = "USR1"
 _HEAD = "__HEAD_NODE__"  # placeholders the script fills in on the first node at run time
 _PORT = "__RDZV_PORT__"
+_NODE_OUTPUTS = "__NODE_OUTPUTS__"  # ... and that each node's task fills in with its own folder and agent log
+_NODE_AGENT_LOG = "__NODE_AGENT_LOG__"
+# With outputs at a URL no folder of the launcher is on the nodes: the batch shell's own lines go here, on the
+# first node (the agents' go to their node's logs/, and so to the store).
+BATCH_OUTPUT_WITHOUT_SHARED_FOLDER = "/tmp/clusterfit-slurm-%j.out"
 _STATUS_EVERY_S = 1.0
 _CANCEL_WAIT_S = 60.0
 # Slurm's job states that will still change; anything else is final.
@@ -70,8 +80,9 @@ _CONTROLLER_BUSY_OR_DOWN = (
 _SUBMISSION_FAILED = "Batch job submission failed: "
 
 
-def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
-    """The batch script: what `sbatch` runs on the first node of the allocation."""
+def sbatch_script(spec: JobSpec, *, python: str, workdir: str, outputs_store: str | None = None) -> str:
+    """The batch script: what `sbatch` runs on the first node of the allocation. `outputs_store`: the URL of the
+    job's outputs, whose launcher's copy `spec.outputs.dir` is; each node then works in a folder of its own."""
     out = Path(spec.outputs.dir).resolve()
     res, slurm = spec.resources, spec.resources.slurm
     nproc = spec.distribution.process_count_per_instance
@@ -81,7 +92,7 @@ def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
         "--ntasks-per-node=1",  # one torchrun agent per node; it starts the node's workers
         "--exclusive",  # the agent's workers share the node's cores (OMP threads = cores / workers)
         f"--chdir={workdir}",
-        f"--output={JobOutputs.at(out).agent_log}",
+        f"--output={BATCH_OUTPUT_WITHOUT_SHARED_FOLDER if outputs_store else JobOutputs.at(out).agent_log}",
         "--open-mode=append",  # a requeued run adds to the log instead of replacing it
         "--requeue",
         # NOTE: B: = only the batch shell; it forwards the signal to the workers and requeues the job after.
@@ -96,7 +107,7 @@ def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
     directives += slurm.extra_sbatch_args
     env = {key: value for key, value in worker_env(1).items() if key != "OMP_NUM_THREADS"}
     env.update(spec.environment_variables)
-    launch = _mpirun_lines(spec, python) if launched_by_mpirun(spec) else _agent_lines(spec, python)
+    launch = _mpirun_lines(spec, python) if launched_by_mpirun(spec) else _agent_lines(spec, python, outputs_store)
     lines = [
         "#!/bin/bash",
         f"# clusterfit job {spec.name}: {res.max_nodes} node(s) x {nproc} process(es), written by clusterfit run",
@@ -120,16 +131,40 @@ def sbatch_script(spec: JobSpec, *, python: str, workdir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _agent_lines(spec: JobSpec, python: str) -> list[str]:
-    """One torchrun agent per node through srun; the signal reaches the workers as a signal to every step."""
-    agent = shlex.join(
-        torchrun_command(spec, python=python, rdzv_endpoint=f"{_HEAD}:{_PORT}", run_id="__JOB_ID__")
-    ).replace(f"{_HEAD}:{_PORT}", '"$head_node:$rdzv_port"')
+def _agent_lines(spec: JobSpec, python: str, outputs_store: str | None = None) -> list[str]:
+    """One torchrun agent per node through srun; the signal reaches the workers as a signal to every step. With
+    outputs at a URL each agent runs under its node's copy of them, in a folder named after its node."""
+    node_spec = spec
+    if outputs_store is not None:
+        node_spec = spec.model_copy(update={"outputs": spec.outputs.model_copy(update={"dir": _NODE_OUTPUTS})})
+    command = torchrun_command(node_spec, python=python, rdzv_endpoint=f"{_HEAD}:{_PORT}", run_id="__JOB_ID__")
+    # The agent ignores the signal (its default would kill it); the workers it starts set their own handler.
+    task = f'trap "" {CHECKPOINT_SIGNAL}; exec "$@"'
+    if outputs_store is not None:
+        creds = credentials(spec.storage)
+        command = node_copy_command(
+            outputs_store,
+            _NODE_OUTPUTS,
+            spec.outputs.upload_every_s,
+            Credentials(creds.account_name, creds.endpoint),  # a SAS token comes in the environment
+            command,
+            python=python,
+            node_spec=True,
+            agent_log=_NODE_AGENT_LOG,
+        )
+        # The task's first argument: where the nodes' folders go, each named after the launcher's copy and the
+        # node (`outputs.cache_dir/nodes/<copy>-node-N`).
+        command = [str(Path(spec.outputs.cache_dir).expanduser() / "nodes" / Path(spec.outputs.dir).name), *command]
+        task = (
+            f'trap "" {CHECKPOINT_SIGNAL}; folder=$1-node-$SLURM_NODEID; shift; log=agent.node-$SLURM_NODEID.log; '
+            f'[ "$SLURM_NODEID" = 0 ] && log=agent.log; set -- "${{@//{_NODE_OUTPUTS}/$folder}}"; '
+            f'exec "${{@//{_NODE_AGENT_LOG}/$log}}"'
+        )
+    agent = shlex.join(command).replace(f"{_HEAD}:{_PORT}", '"$head_node:$rdzv_port"')
     agent = agent.replace("__JOB_ID__", '"$SLURM_JOB_ID"')
     return [
         f"trap 'stop_requested=1; scancel --signal={CHECKPOINT_SIGNAL} \"$SLURM_JOB_ID\"' {CHECKPOINT_SIGNAL}",
-        # The agent ignores the signal (its default would kill it); the workers it starts set their own handler.
-        f'srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c \'trap "" {CHECKPOINT_SIGNAL}; exec "$@"\' agent \\',
+        f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c {shlex.quote(task)} agent \\",
         f"    {agent} &",
         "agent_pid=$!",
     ]
@@ -158,24 +193,35 @@ def slurm_settings(environ: Mapping[str, str]) -> dict[str, str]:
 class SlurmBackend:
     name = "slurm"
 
-    def dry_run(self, spec: JobSpec) -> Rendered:
+    def dry_run(self, spec: JobSpec, outputs_store: str | None = None) -> Rendered:
+        if outputs_store is None and is_url(spec.outputs.dir):  # as the launcher will run it: its copy, the store
+            outputs_store = spec.outputs.dir
+            local = str(cache_folder(spec.outputs.dir, spec.outputs.cache_dir))
+            spec = spec.model_copy(update={"outputs": spec.outputs.model_copy(update={"dir": local})})
+        if outputs_store is not None and launched_by_mpirun(spec):
+            raise SpecError(
+                f"outputs.dir = {public(outputs_store)!r}: an mpi job on Slurm starts every rank from one mpirun, "
+                "with no copy of the outputs on each node; give outputs.dir a folder on the cluster's shared "
+                "filesystem"
+            )
         out = Path(spec.outputs.dir)
         script = out / SCRIPT
+        text = sbatch_script(spec, python=sys.executable, workdir=os.getcwd(), outputs_store=outputs_store)
         return Rendered(
             backend=self.name,
             command=["sbatch", "--parsable", str(script.resolve())],
-            files={
-                **resolved_spec_file(spec),
-                str(script): sbatch_script(spec, python=sys.executable, workdir=os.getcwd()),
-            },
+            files={**resolved_spec_file(spec), str(script): text},
             secret_env=storage_secret_env(spec),
         )
 
-    def submit(self, spec: JobSpec, *, confined: bool = False, user: str | None = None) -> PolledRun:
+    def submit(
+        self, spec: JobSpec, *, confined: bool = False, user: str | None = None, outputs_store: str | None = None
+    ) -> PolledRun:
         """`confined`: a job of the job service, whose sbatch (which exports its environment to the job) gets the
         allow-listed job environment and the operator's Slurm settings, never the supervisor's own. `user`: the
         account a root server runs its jobs as, which a Slurm job cannot be given yet: refused, since the job
-        would run as root, who submits it."""
+        would run as root, who submits it. `outputs_store`: the URL of the job's outputs, whose launcher's copy
+        `spec.outputs.dir` is; each node then works in a folder of its own, filled from the store."""
         if user is not None:
             raise EngineError(
                 f"this job service runs as root and runs its jobs as --job-user {user}, but a Slurm job runs as the "
@@ -186,11 +232,15 @@ class SlurmBackend:
             raise EngineError(
                 "resources.backend = 'slurm' but sbatch is not on PATH; run on a Slurm login node", retryable=False
             )
-        rendered = self.dry_run(spec)
+        rendered = self.dry_run(spec, outputs_store)
         ship_code(spec)
         for path, content in rendered.files.items():
             write_atomically(Path(path), content)
-        JobOutputs.at(spec.outputs.dir).logs.mkdir(parents=True, exist_ok=True)
+        launcher_copy = JobOutputs.at(Path(spec.outputs.dir).resolve())
+        launcher_copy.logs.mkdir(parents=True, exist_ok=True)
+        if outputs_store is not None:  # before any node starts: each fills its folder from the store
+            creds = credentials(spec.storage)
+            OutputsMirror(launcher_copy, outputs_store, creds, role=MirrorRole.LAUNCHER).push(read_back=False)
         # sbatch exports the submitting environment to the job (--export=ALL): the secret travels that way.
         if confined:
             env = job_env(spec.outputs.dir, slurm_settings(os.environ), rendered.secret_env)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from clusterfit.backends import RunHandle, get_backend
 from clusterfit.errors import ClusterfitError
@@ -61,7 +62,7 @@ class Outcome(enum.Enum):
 
 # Engines whose nodes each work in a folder of their own when the outputs are at a URL (Ray's actors, Kubernetes
 # pods); on the others (local, Slurm) the workers write the folder this process sees.
-_OWN_FOLDERS = ("ray", "kubernetes")
+_OWN_FOLDERS = ("ray", "kubernetes", "slurm")
 
 
 def this_supervisor() -> dict[str, str]:
@@ -177,13 +178,11 @@ class Supervisor:
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
             # The engines that start a job from this process: its environment and its user would reach the job.
+            options: dict[str, Any] = {} if outputs_store is None else {"outputs_store": outputs_store}
             if self.confined and backend.name in ("local", "slurm"):
                 user = (os.environ.get(JOB_USER_ENV) or None) if os.geteuid() == 0 else None
-                handle = backend.submit(spec, confined=True, user=user)  # type: ignore[call-arg]
-            elif outputs_store is not None:
-                handle = backend.submit(spec, outputs_store=outputs_store)  # type: ignore[call-arg]
-            else:
-                handle = backend.submit(spec)
+                options.update(confined=True, user=user)
+            handle = backend.submit(spec, **options)  # type: ignore[call-arg]
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
             return Outcome.FAILED, failure_for_error(exc, backend.name)
         self.store.update(job.id, engine_ref=dump_json(asdict(handle.ref)))
