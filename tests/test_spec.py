@@ -404,3 +404,20 @@ def test_a_submitted_jobs_relative_paths_are_anchored_where_it_was_submitted(tmp
     raw["resources"] = {"backend": "kubernetes", "instance_count": 2}
     in_pods = validate_spec(raw)
     assert anchored(in_pods, tmp_path) == in_pods  # places inside the pods, relative to the image's folder
+
+
+@pytest.mark.parametrize("backend", ["local", "ray", "slurm", "kubernetes"])
+def test_a_dry_run_with_outputs_at_a_url_shows_where_the_job_works(backend: str, tmp_path: Path) -> None:
+    """`--dry-run` renders what the launcher runs: the job in its copy of the outputs (outputs.cache_dir), and the
+    nodes that share no folder in their own; never the URL taken as a path (`file:/...`, `az:/...`)."""
+    from clusterfit.backends import get_backend
+    from clusterfit.storage.filesystems import cache_folder
+
+    job = tiny_job(tmp_path / "unused")
+    job["resources"]["backend"] = backend
+    job["outputs"] = {"dir": "az://outputs/runs/tiny", "cache_dir": str(tmp_path / "cache")}
+    rendered = get_backend(backend).dry_run(validate_spec(job))
+    shown = "\n".join([*rendered.files, *rendered.files.values(), rendered.as_text(), rendered.placement or ""])
+    assert "az:/outputs" not in shown.replace("az://outputs", "")
+    if backend != "kubernetes":  # a pod's folder is its emptyDir, and its job.yaml a ConfigMap
+        assert str(cache_folder("az://outputs/runs/tiny", tmp_path / "cache") / "job.yaml") in rendered.files

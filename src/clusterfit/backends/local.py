@@ -16,6 +16,7 @@ from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
 from clusterfit.backends.mpi import launched_by_mpirun, mpi_launch_env, mpirun_command, require_mpirun
 from clusterfit.backends.torchrun import (
+    as_launched,
     resolved_spec_file,
     ship_code,
     storage_secret_env,
@@ -47,6 +48,7 @@ class LocalBackend:
     name = "local"
 
     def dry_run(self, spec: JobSpec) -> Rendered:
+        spec, _ = as_launched(spec)
         threads = threads_per_worker(spec.distribution.process_count_per_instance)
         command, launcher_env = torchrun_command(spec), {}
         if launched_by_mpirun(spec):

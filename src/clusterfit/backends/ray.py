@@ -37,6 +37,7 @@ from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.node_copy import NodeCopy
 from clusterfit.backends.polled import wait_for_exit
 from clusterfit.backends.torchrun import (
+    as_launched,
     resolved_spec_file,
     ship_code,
     storage_secret_env,
@@ -49,7 +50,7 @@ from clusterfit.network import free_port
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, is_running, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
-from clusterfit.storage.filesystems import Credentials, credentials
+from clusterfit.storage.filesystems import Credentials, credentials, public
 from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror
 
 NAMESPACE = "clusterfit"
@@ -176,18 +177,24 @@ class RayBackend:
     name = "ray"
 
     def dry_run(self, spec: JobSpec) -> Rendered:
+        spec, url = as_launched(spec)
         nodes = spec.resources.instance_count
-        placement = "\n".join(
-            [
-                f"# Ray cluster: {cluster_address(spec)}; namespace {NAMESPACE}",
-                f"# placement group {spec.name}-<id>: {nodes} bundle(s) of {_shown(bundle(spec))}, strategy "
-                f"{PLACEMENT_STRATEGY} (one node each)",
-                "# one detached actor per bundle runs this command with its node's python, in a new process group;",
-                "# node 0 hosts the c10d rendezvous on a free port it picks, other nodes pass --rdzv-conf=is_host=0",
-            ]
-        )
+        lines = [
+            f"# Ray cluster: {cluster_address(spec)}; namespace {NAMESPACE}",
+            f"# placement group {spec.name}-<id>: {nodes} bundle(s) of {_shown(bundle(spec))}, strategy "
+            f"{PLACEMENT_STRATEGY} (one node each)",
+            "# one detached actor per bundle runs this command with its node's python, in a new process group;",
+            "# node 0 hosts the c10d rendezvous on a free port it picks, other nodes pass --rdzv-conf=is_host=0",
+        ]
+        node_spec = spec
+        if url is not None:  # each node in a folder of its own, which its actor fills from the store and copies back
+            out = spec.outputs
+            folder = NodeStore(url, Credentials(), out.cache_dir, out.upload_every_s).folder(f"{spec.name}-<id>", 0)
+            node_spec = spec.model_copy(update={"outputs": out.model_copy(update={"dir": str(folder)})})
+            lines.append(f"# outputs at {public(url)}: node N works in {str(folder)[:-1]}N, copied to the store")
+        placement = "\n".join(lines)
         command = node_command(
-            spec, 0, python="python", node_ip="<node 0 IP>", rdzv_endpoint=_NODE0_RDZV, run_id=f"{spec.name}-<id>"
+            node_spec, 0, python="python", node_ip="<node 0 IP>", rdzv_endpoint=_NODE0_RDZV, run_id=f"{spec.name}-<id>"
         )
         return Rendered(
             backend=self.name,

@@ -25,6 +25,7 @@ from clusterfit.backends.mpi import find_mpirun, launched_by_mpirun, mpirun_comm
 from clusterfit.backends.node_copy import node_copy_command
 from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import (
+    as_launched,
     resolved_spec_file,
     ship_code,
     storage_secret_env,
@@ -34,8 +35,8 @@ from clusterfit.backends.torchrun import (
 from clusterfit.errors import EngineError, SpecError
 from clusterfit.files import write_atomically
 from clusterfit.outputs import JobOutputs
-from clusterfit.spec.model import JobSpec, is_url
-from clusterfit.storage.filesystems import Credentials, cache_folder, credentials, public
+from clusterfit.spec.model import JobSpec
+from clusterfit.storage.filesystems import Credentials, credentials, public
 from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror
 
 SCRIPT = "slurm/job.sbatch"  # under outputs.dir
@@ -194,10 +195,8 @@ class SlurmBackend:
     name = "slurm"
 
     def dry_run(self, spec: JobSpec, outputs_store: str | None = None) -> Rendered:
-        if outputs_store is None and is_url(spec.outputs.dir):  # as the launcher will run it: its copy, the store
-            outputs_store = spec.outputs.dir
-            local = str(cache_folder(spec.outputs.dir, spec.outputs.cache_dir))
-            spec = spec.model_copy(update={"outputs": spec.outputs.model_copy(update={"dir": local})})
+        spec, url = as_launched(spec)  # `clusterfit run --dry-run` of a spec whose outputs.dir is a URL
+        outputs_store = outputs_store or url
         if outputs_store is not None and launched_by_mpirun(spec):
             raise SpecError(
                 f"outputs.dir = {public(outputs_store)!r}: an mpi job on Slurm starts every rank from one mpirun, "

@@ -13,7 +13,8 @@ from pathlib import Path
 from clusterfit.outputs import ATTEMPT_ENV, STORAGE_SAS_TOKEN_ENV, JobOutputs
 from clusterfit.outputs.layout import CODE_DIR
 from clusterfit.outputs.resolved_spec import resolved_spec_text
-from clusterfit.spec.model import JobSpec
+from clusterfit.spec.model import JobSpec, is_url
+from clusterfit.storage.filesystems import cache_folder
 
 RDZV_PORT = 29400  # torchrun's default c10d port on the first node
 ELASTIC_LAST_CALL_S = 5
@@ -32,6 +33,15 @@ def with_shipped_code(spec: JobSpec) -> JobSpec:
     if spec.code is None:
         return spec
     return spec.model_copy(update={"code": str(JobOutputs.at(Path(spec.outputs.dir).resolve()).code)})
+
+
+def as_launched(spec: JobSpec) -> tuple[JobSpec, str | None]:
+    """A spec as the launcher runs it, for what an engine renders: with outputs.dir at a URL, the launcher's copy
+    in outputs.cache_dir is where the job works here (the URL, returned beside it, is where its outputs go)."""
+    if not is_url(spec.outputs.dir):
+        return spec, None
+    local = str(cache_folder(spec.outputs.dir, spec.outputs.cache_dir).resolve())
+    return spec.model_copy(update={"outputs": spec.outputs.model_copy(update={"dir": local})}), spec.outputs.dir
 
 
 def resolved_spec_file(spec: JobSpec) -> dict[str, str]:
