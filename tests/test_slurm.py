@@ -261,8 +261,12 @@ def _signal_requeue_and_finish(slurm: SlurmCluster, launcher: subprocess.Popen) 
 
 
 def test_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Path) -> None:
-    out = tmp_path / "out"
+    """With its outputs at a URL: the requeued job's node fills its folder from the store again, so it resumes
+    from the checkpoint the signal made (the session script's test below does this with a shared folder)."""
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    out = cache_folder(f"file://{store}", cache)  # the launcher's copy, read back from the store
     job = _long_job(out)
+    job["outputs"] = {"dir": f"file://{store}", "cache_dir": str(cache), "upload_every_s": 1}
     job["trainer"]["steps_per_epoch"] = 40
     # Rank 0 a straggler: the signal's way (squeue, scancel, slurmd, the batch shell's trap, scancel again) lands
     # well before step 40 on any machine, which the two checkpoints below need.
@@ -276,9 +280,10 @@ def test_signal_before_the_time_limit_checkpoints_requeues_and_resumes(slurm: Sl
             launcher.kill()
     assert launcher.returncode == 0, output[-3000:]
     assert "stopped at step" in output and "resuming from" in output
-    stopped = [p.name for p in (out / "checkpoints").iterdir()]
+    stopped = [p.name for p in (store / "checkpoints").iterdir()]
     assert "step-00000040" in stopped and len(stopped) == 2, stopped  # the requested one, and the end
-    assert exported_weights(out)
+    assert exported_weights(out) and exported_weights(store)
+    assert "node_copy --url" in (out / "slurm" / "job.sbatch").read_text()
 
 
 def test_a_session_script_stops_on_the_time_limit_signal_checkpoints_and_resumes(
