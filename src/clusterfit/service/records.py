@@ -10,12 +10,12 @@ from pathlib import Path
 import yaml
 from pydantic import SecretStr
 
+from clusterfit.backends.torchrun import as_launched
 from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.service.home import service_home
 from clusterfit.service.store import Job, JobNotFound, JobStore
 from clusterfit.spec import JobSpec, validate_spec
 from clusterfit.spec.model import is_url
-from clusterfit.storage.filesystems import cache_folder
 
 _SECRETS_DIR = "secrets"
 
@@ -43,9 +43,7 @@ def record_job(store: JobStore, spec: JobSpec, owner: str = "") -> Job:
 
 def local_outputs_dir(spec: JobSpec) -> Path:
     """Where the job works on this machine: outputs.dir, or with a URL its folder in outputs.cache_dir."""
-    if is_url(spec.outputs.dir):
-        return cache_folder(spec.outputs.dir, spec.outputs.cache_dir).resolve()
-    return Path(spec.outputs.dir).resolve()
+    return Path(as_launched(spec)[0].outputs.dir).resolve()
 
 
 def outputs_url(job: Job) -> str | None:
