@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import json
 import math
 import time
 from dataclasses import asdict
@@ -368,3 +369,28 @@ def test_injected_faults_fire_once_and_a_straggler_from_its_step_on(monkeypatch:
     assert slept == [0.05, 0.05, 0.05]
     with pytest.raises(ValueError, match="KIND one of"):
         Fault.parse("crawl:rank=0:step=1")
+
+
+def test_metrics_follower_reads_a_file_replaced_whole_past_what_it_has_read(tmp_path: Path) -> None:
+    """An elastic job's rank 0 moved to a node with its own copy of metrics.jsonl, which replaced the launcher's
+    whole: the follower reads the new file from its start, past the records it has read (by their time), so a
+    membership change written there is shown once and nothing is shown twice."""
+    from clusterfit.files import write_atomically
+    from clusterfit.outputs import MetricsTail
+
+    path = tmp_path / "metrics.jsonl"
+
+    def line(kind: str, time: float, **fields: object) -> str:
+        return json.dumps({"kind": kind, "time": time, **fields}) + "\n"
+
+    path.write_text(line("start", 1.0, nodes=2))
+    tail = MetricsTail(path, from_start=True)
+    with open(path, "a") as f:
+        f.write(line("train", 2.0, step=5) + line("start", 3.0, nodes=1) + line("train", 4.0, step=10))
+    assert [r["time"] for r in tail.read_new()] == [1.0, 2.0, 3.0, 4.0]
+    # The new node's copy: what it pulled at its start (up to t=3), then its own records; shorter than the old one.
+    write_atomically(path, line("start", 1.0, nodes=2) + line("start", 3.0, nodes=1) + line("start", 5.0, nodes=2))
+    assert [(r["time"], r.get("nodes")) for r in tail.read_new()] == [(5.0, 2)]
+    with open(path, "a") as f:
+        f.write(line("train", 6.0, step=15))
+    assert [r["time"] for r in tail.read_new()] == [6.0]

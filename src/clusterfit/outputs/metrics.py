@@ -76,23 +76,40 @@ class MetricsWriter:
 
 
 class MetricsTail:
-    """Reads records appended since it was opened (or since the start); tolerates a half-written last line."""
+    """Reads records appended since it was opened (or since the start); tolerates a half-written last line.
+
+    A file replaced whole (a new inode: the launcher's copy of an elastic job whose rank 0 moved to another node,
+    which writes its own copy) is read again from its start, past the records already read (by their time)."""
 
     def __init__(self, path: Path, *, from_start: bool = False) -> None:
         self.path = path
         self.offset = 0 if from_start or not path.exists() else path.stat().st_size
+        self._inode = path.stat().st_ino if path.exists() else None
         self._partial = ""
+        self._last_time: float | None = None
 
     def read_new(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
+        try:
+            inode = self.path.stat().st_ino
+        except FileNotFoundError:
             return []
+        replaced = self._inode is not None and inode != self._inode
+        if replaced:
+            self.offset, self._partial = 0, ""
+        self._inode = inode
         with open(self.path) as f:
             f.seek(self.offset)
             chunk = f.read()
             self.offset = f.tell()
         lines = (self._partial + chunk).split("\n")
         self._partial = lines.pop()
-        return list(_parse(lines))
+        records = list(_parse(lines))
+        if replaced and self._last_time is not None:
+            records = [record for record in records if float(record.get("time", 0)) > self._last_time]
+        times = [float(record["time"]) for record in records if isinstance(record.get("time"), (int, float))]
+        if times:
+            self._last_time = max(times + ([self._last_time] if self._last_time is not None else []))
+        return records
 
 
 def read_records(path: Path, kinds: Iterable[RecordKind] | None = None) -> list[dict[str, Any]]:
