@@ -392,5 +392,7 @@ def test_metrics_follower_reads_a_file_replaced_whole_past_what_it_has_read(tmp_
     write_atomically(path, line("start", 1.0, nodes=2) + line("start", 3.0, nodes=1) + line("start", 5.0, nodes=2))
     assert [(r["time"], r.get("nodes")) for r in tail.read_new()] == [(5.0, 2)]
     with open(path, "a") as f:
-        f.write(line("train", 6.0, step=15))
-    assert [r["time"] for r in tail.read_new()] == [6.0]
+        f.write(line("train", 6.0, step=15) + "[1, 2]\n" + line("train", "soon", step=16))
+    assert [r["time"] for r in tail.read_new()] == [6.0, "soon"]  # what is not a record is skipped, not fatal
+    write_atomically(path, path.read_text() + line("train", 7.0, step=20))
+    assert [r["time"] for r in tail.read_new()] == [7.0]

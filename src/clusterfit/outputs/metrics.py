@@ -105,11 +105,18 @@ class MetricsTail:
         self._partial = lines.pop()
         records = list(_parse(lines))
         if replaced and self._last_time is not None:
-            records = [record for record in records if float(record.get("time", 0)) > self._last_time]
-        times = [float(record["time"]) for record in records if isinstance(record.get("time"), (int, float))]
+            last = self._last_time
+            records = [record for record in records if (_time(record) or 0.0) > last]
+        times = [t for t in map(_time, records) if t is not None]
         if times:
             self._last_time = max(times + ([self._last_time] if self._last_time is not None else []))
         return records
+
+
+def _time(record: dict[str, Any]) -> float | None:
+    """A record's time, if it has a number there (the job writes this file: anything can be in it)."""
+    value = record.get("time")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def read_records(path: Path, kinds: Iterable[RecordKind] | None = None) -> list[dict[str, Any]]:
@@ -141,6 +148,8 @@ def _parse(lines: Iterable[str]) -> Iterable[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            yield json.loads(line)
+            record = json.loads(line)
         except ValueError:
             continue
+        if isinstance(record, dict):  # a job writes this file: a line of anything else is not a record
+            yield record
