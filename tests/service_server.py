@@ -19,17 +19,18 @@ from clusterfit.service.states import JobState
 
 
 class ServerProcess:
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None, python: str = sys.executable) -> None:
         # NOTE: a root server runs its jobs as --job-user (default nobody), who cannot reach pytest's private
         # temporary folders; tests of that confinement name the user and a folder it can reach.
         self.args = args if "--job-user" in args else (*args, "--job-user", "root")
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200", **(env or {})}
+        self.python = python  # the server's, and so its supervisors' and jobs' interpreter
         self.process: subprocess.Popen[str] | None = None
         self.url = ""
         self.output: list[str] = []
 
     def start(self, timeout: float = 60) -> ServerProcess:
-        command = [sys.executable, "-m", "clusterfit", "server", "--port", "0", *self.args]
+        command = [self.python, "-m", "clusterfit", "server", "--port", "0", *self.args]
         self.process = subprocess.Popen(
             command, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

@@ -14,6 +14,7 @@ from conftest import tiny_job, write_job
 from service_server import ServerProcess, make_token
 
 from clusterfit.outputs import JobOutputs, MetricsWriter, RankBeat, write_heartbeat
+from clusterfit.service.causes import tail_lines
 from clusterfit.service.client import ServiceClient
 from clusterfit.service.jobs import JobService, Refused, ServiceError, cancel_and_wait, follow_logs, parse_state
 from clusterfit.service.local_jobs import LocalJobs
@@ -101,6 +102,20 @@ def test_log_lines_end_like_a_text_file_and_a_half_line_is_not_more(tmp_path: Pa
     second = read_logs(tmp_path, first.cursor)
     assert (second.lines, second.more) == (["[rank0] d"], False)
     assert read_logs(tmp_path, second.cursor, final=True).lines == ["[rank0] last"]
+
+
+def test_a_log_that_is_a_link_is_not_read_through(tmp_path: Path) -> None:
+    """The server (root) serves the logs of jobs that run as other accounts: a job's `rank-1.log -> /etc/shadow`
+    must show nothing; so must a cause read from a linked log's tail."""
+    secret = tmp_path / "secret"
+    secret.write_text("root:$6$hash\n")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank-0.log").write_text("step 1\n")
+    (logs / "rank-1.log").symlink_to(secret)
+    chunk = read_logs(logs, None, final=True)
+    assert chunk.lines == ["[rank0] step 1"]
+    assert tail_lines(logs / "rank-1.log", 10) == [] and tail_lines(logs / "rank-0.log", 10) == ["step 1"]
 
 
 # --- both implementations ----------------------------------------------------------------------------------

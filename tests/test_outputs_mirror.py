@@ -221,6 +221,29 @@ def test_an_object_named_to_climb_out_of_the_folder_is_refused_in_one_line(tmp_p
     assert not list(tmp_path.rglob("escaped.txt*"))
 
 
+def test_a_push_follows_no_link_a_job_made_in_its_folder(tmp_path: Path) -> None:
+    """A root job service pushes the folders of jobs that run as other accounts: a job's link to a file (or a
+    folder) it may not read must not carry that file into the store, where the job's owner can read it."""
+    import fsspec
+
+    secret = tmp_path / "secret"
+    (secret / "inside").mkdir(parents=True)
+    (secret / "key").write_text("root's\n")
+    outputs = JobOutputs.at(tmp_path / "job")
+    outputs.logs.mkdir(parents=True)
+    (outputs.logs / "rank-0.log").write_text("trained\n")
+    (outputs.logs / "rank-1.log").symlink_to(secret / "key")
+    (outputs.root / "stolen").symlink_to(secret, target_is_directory=True)
+    _checkpoint(outputs, 2)
+    (outputs.checkpoints / "step-00000002" / "key.pt").symlink_to(secret / "key")
+    (outputs.checkpoints / "step-00000009").symlink_to(secret, target_is_directory=True)
+    OutputsMirror(outputs, "memory://job-links", Credentials()).push()
+    stored = {name.removeprefix("/job-links/") for name in fsspec.filesystem("memory").find("/job-links")}
+    assert {"logs/rank-0.log", "checkpoints/step-00000002/manifest.json"} <= stored
+    linked = ["logs/rank-1.log", "checkpoints/step-00000002/key.pt"]
+    assert not [name for name in stored if name in linked or name.startswith(("stolen", "checkpoints/step-00000009"))]
+
+
 def test_a_node_s_agent_runs_between_its_folder_filled_from_the_store_and_its_last_copy_to_it(tmp_path: Path) -> None:
     """`python -m clusterfit.backends.node_copy` (a Kubernetes pod's command): the agent finds the store's files,
     what it writes reaches the store while it runs and after it ends, its exit code is the wrapper's, and the

@@ -18,10 +18,18 @@ from typing import Any
 
 import pytest
 import yaml
+from job_accounts import python_for, runs_python, throwaway_account
 from service_server import ServerProcess, client
 
+from clusterfit.backends.job_folder import JobAccount
+from clusterfit.errors import EngineError, SpecError
+from clusterfit.files import open_beneath
+from clusterfit.service.accounts import accounts_env, hand_over, job_account, refuse_links
 from clusterfit.service.auth import issue_token
 from clusterfit.service.migrate import open_store
+
+# One server, and one throw-away account, for the whole module: its tests run on one worker.
+pytestmark = pytest.mark.xdist_group("confinement")
 
 _SERVER_ONLY = {"CLUSTERFIT_CAPACITY": "4", "OPERATOR_SECRET": "operator-only-value"}
 
@@ -29,13 +37,13 @@ _SERVER_ONLY = {"CLUSTERFIT_CAPACITY": "4", "OPERATOR_SECRET": "operator-only-va
 class Served:
     """A running server over its own SQLite store, shared by this module's tests."""
 
-    def __init__(self, home: Path, *args: str) -> None:
+    def __init__(self, home: Path, *args: str, python: str = sys.executable) -> None:
         self.home = home
         home.mkdir(exist_ok=True)
         home.chmod(0o755)  # as an older version left it: the server makes it private
         self.store_url = f"sqlite:///{home / 'jobs.db'}"
         env = {"CLUSTERFIT_HOME": str(home), "CLUSTERFIT_DATABASE_URL": self.store_url, **_SERVER_ONLY}
-        self.server = ServerProcess(*args, env=env)
+        self.server = ServerProcess(*args, env=env, python=python)
 
     def token(self, scope: str, name: str) -> str:
         return issue_token(open_store(self.store_url), scope, timedelta(hours=1), name).secret
@@ -49,34 +57,43 @@ class Served:
             time.sleep(0.3)
         raise AssertionError(f"job {job_id} still {job.state} after {timeout} s")
 
-
-def _nobody_cannot_run_python() -> str | None:
-    """Why jobs cannot run as nobody here (as non-root, or with an interpreter in a private folder), or None."""
-    if os.geteuid() != 0:
-        return "jobs run as another user only when the server runs as root"
-    nobody = pwd.getpwnam("nobody")
-    try:
-        subprocess.run([sys.executable, "-c", ""], user=nobody.pw_uid, group=nobody.pw_gid, extra_groups=[], check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return f"nobody cannot run {sys.executable} on this machine"
-    return None
+    def failure(self, job_id: str) -> str:
+        job = open_store(self.store_url).get(job_id)
+        return f"{job.cause}: {job.cause_detail}"
 
 
-_NOBODY_MISSING = _nobody_cannot_run_python()
+ALICE = "clusterfit-test-alice"  # alice's jobs run as this account; everyone else's as nobody
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    served = Served(tmp_path_factory.mktemp("confined-home"), "--job-user", "root" if _NOBODY_MISSING else "nobody")
+def accounts() -> Iterator[tuple[str | None, str | None]]:
+    """(a Python that nobody and alice's account can run, alice's account): each None where it cannot be had."""
+    with python_for("nobody") as python, throwaway_account(ALICE) as alice:
+        yield python, alice if alice and python and runs_python(python, alice) else None
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory, accounts: tuple[str | None, str | None]) -> Iterator[Served]:
+    python, alice = accounts
+    users = ["--job-user", "nobody", *(["--job-user-of", f"alice={alice}"] if alice else [])] if python else []
+    home = tmp_path_factory.mktemp("confined-home")
+    served = Served(home, *(users or ["--job-user", "root"]), python=python or sys.executable)
     with served.server:
         yield served
 
 
 @pytest.fixture
+def as_nobody(accounts: tuple[str | None, str | None]) -> None:
+    if accounts[0] is None:
+        pytest.skip("nobody can run no Python with clusterfit here (as root, with a python3 of this version)")
+
+
+@pytest.fixture
 def reachable(tmp_path: Path) -> Iterator[Path]:
-    """A folder the job user can reach (pytest's own are private to root), for a job's outputs."""
+    """A folder where the job accounts make their outputs folders (pytest's own are private to root): shared and
+    sticky, as /tmp is."""
     folder = Path(tempfile.mkdtemp(prefix="clusterfit-confined-"))
-    folder.chmod(0o711)
+    folder.chmod(0o1777)
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -104,7 +121,7 @@ def test_a_job_sees_none_of_the_servers_variables(served: Served, reachable: Pat
     out = reachable / "out"
     with client(served.server.url, served.token("admin", "ops")) as http:
         job = http.post("/api/jobs", json=_spec(_command_job(out, "env | sort"))).json()
-    assert served.wait_final(job["id"]) == "SUCCEEDED"
+    assert served.wait_final(job["id"]) == "SUCCEEDED", served.failure(job["id"])
     seen = dict(line.split("=", 1) for line in _rank_log(out).splitlines() if "=" in line and line[:1].isupper())
     assert seen["FROM_SPEC"] == "yes" and seen["RANK"] == "0" and seen["WORLD_SIZE"] == "1"
     assert seen["HOME"] == str(out)
@@ -118,7 +135,7 @@ def test_the_service_home_and_what_the_server_writes_are_their_owners_only(serve
     out = reachable / "out"
     with client(served.server.url, served.token("admin", "ops")) as http:
         job = http.post("/api/jobs", json=_spec(_command_job(out, "echo private > private.txt"))).json()
-    assert served.wait_final(job["id"]) == "SUCCEEDED"
+    assert served.wait_final(job["id"]) == "SUCCEEDED", served.failure(job["id"])
     assert served.home.stat().st_mode & 0o777 == 0o700
     for path in served.home.glob("jobs.db*"):
         assert path.stat().st_mode & 0o777 == 0o600, path
@@ -127,8 +144,7 @@ def test_the_service_home_and_what_the_server_writes_are_their_owners_only(serve
         assert path.stat().st_mode & 0o077 == 0, path
 
 
-@pytest.mark.skipif(_NOBODY_MISSING is not None, reason=str(_NOBODY_MISSING))
-def test_a_command_job_cannot_read_or_write_the_service_home(served: Served, reachable: Path) -> None:
+def test_a_command_job_cannot_read_or_write_the_service_home(served: Served, reachable: Path, as_nobody: None) -> None:
     out = reachable / "out"
     home = served.home
     probe = (
@@ -139,7 +155,7 @@ def test_a_command_job_cannot_read_or_write_the_service_home(served: Served, rea
     with client(served.server.url, served.token("admin", "ops")) as http:
         tokens_before, jobs_before = len(store.list_tokens()), store.count_jobs()
         job = http.post("/api/jobs", json=_spec(_command_job(out, probe))).json()
-    assert served.wait_final(job["id"]) == "SUCCEEDED"
+    assert served.wait_final(job["id"]) == "SUCCEEDED", served.failure(job["id"])
     log = _rank_log(out)
     assert "nobody" in log
     assert f"cat: {home}/jobs.db: Permission denied" in log
@@ -178,3 +194,167 @@ def test_a_job_user_that_cannot_run_jobs_is_refused_at_start(tmp_path: Path) -> 
     assert refused.stderr.strip() == (
         "error: --job-user 'no-such-account': no such account on this machine; create it or name another"
     )
+
+
+def _trainer_job(out_dir: Path) -> dict[str, Any]:
+    return {
+        "name": "tiny",
+        "trainer": {
+            "model": "resnet_tiny",
+            "data": {"train": "synthetic", "image_size": 32, "num_classes": 10},
+            "epochs": 1,
+        },
+        "distribution": {"type": "pytorch", "process_count_per_instance": 1},
+        "resources": {"instance_count": 1, "backend": "local"},
+        "outputs": {"dir": str(out_dir)},
+    }
+
+
+def test_a_job_is_never_handed_a_folder_it_does_not_own(served: Served, reachable: Path, as_nobody: None) -> None:
+    """Replayed: a `submit` token's trainer job with `outputs.dir` at a folder of root's. The server used to give
+    the job account the whole folder (`chown -R`), root's secret in it too; with `/etc`, all of /etc."""
+    victim = reachable / "victim"
+    victim.mkdir(mode=0o755)
+    secret = victim / "secret"
+    secret.write_text("root's only\n")
+    secret.chmod(0o600)
+    with client(served.server.url, served.token("submit", "mallory")) as http:
+        taken = http.post("/api/jobs", json=_spec(_trainer_job(victim))).json()
+        below = http.post("/api/jobs", json=_spec(_trainer_job(victim / "below"))).json()
+    assert served.wait_final(taken["id"]) == "FAILED"
+    assert served.failure(taken["id"]) == (
+        f"BAD_SPEC: outputs.dir {victim} belongs to root, not to nobody, the account this job runs as; give a new "
+        "folder, or one of that account's"
+    )
+    assert served.wait_final(below["id"]) == "FAILED"
+    assert served.failure(below["id"]) == (
+        f"BAD_SPEC: outputs.dir {victim / 'below'}: the account nobody this job runs as cannot make it (cannot "
+        f"create directory '{victim / 'below'}': Permission denied); give a folder that account may create"
+    )
+    assert [(p.name, p.stat().st_uid) for p in [victim, *victim.iterdir()]] == [("victim", 0), ("secret", 0)]
+    assert secret.read_text() == "root's only\n" and secret.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_command_job_reads_its_code_with_its_own_rights(served: Served, reachable: Path, as_nobody: None) -> None:
+    """Replayed: `code:` naming a folder only root may read; the server (root) copied it into the job's outputs
+    and gave it to the job."""
+    private = reachable / "private"
+    private.mkdir(mode=0o700)
+    (private / "train.py").write_text("KEY = 'root only'\n")
+    out = reachable / "out"
+    with client(served.server.url, served.token("admin", "ops")) as http:
+        job = http.post("/api/jobs", json=_spec({**_command_job(out, "cat train.py"), "code": str(private)})).json()
+    assert served.wait_final(job["id"]) == "FAILED"
+    assert served.failure(job["id"]) == (
+        f"BAD_SPEC: code: {private}: Permission denied (this job runs as the account nobody)"
+    )
+    assert not (out / "code").exists() and "root only" not in _rank_log(out) if (out / "logs").exists() else True
+
+
+def test_links_a_job_plants_in_its_folder_do_not_steer_the_server(
+    served: Served, reachable: Path, as_nobody: None
+) -> None:
+    """Replayed: a job replaces its folder's lock file and logs with links to a file of root's; the next job in
+    that folder had the server (root) truncate and write that file, and append to it."""
+    target = reachable / "root-file"
+    target.write_text("root's\n")
+    out = reachable / "out"
+    plant = f"ln -sf {target} .planted && mv -f .planted .clusterfit-lock && ln -sf {target} logs/supervisor.log"
+    with client(served.server.url, served.token("admin", "ops")) as http:
+        planting = http.post("/api/jobs", json=_spec(_command_job(out, plant))).json()
+        assert served.wait_final(planting["id"]) == "SUCCEEDED", served.failure(planting["id"])
+        assert (out / ".clusterfit-lock").is_symlink()
+        steered = http.post("/api/jobs", json=_spec(_command_job(out, "true"))).json()
+    assert served.wait_final(steered["id"]) == "FAILED"
+    assert served.failure(steered["id"]) == (
+        f"BAD_SPEC: outputs.dir {out}: cannot take its .clusterfit-lock (Too many levels of symbolic links; a link "
+        "or another kind of file is refused); remove it, or give another folder"
+    )
+    assert target.read_text() == "root's\n" and target.stat().st_uid == 0
+
+
+def test_each_owner_s_jobs_run_as_the_owner_s_account(
+    served: Served, reachable: Path, accounts: tuple[str | None, str | None]
+) -> None:
+    """`--job-user-of alice=ACCOUNT`: alice's jobs run as her account and keep their outputs from everyone
+    else's jobs (which run as nobody), as Slurm runs each job as its submitter."""
+    if accounts[1] is None:
+        pytest.skip("no account of alice's could be made here (needs root, useradd and a Python it can run)")
+    alice_out, bob_out = reachable / "alice", reachable / "bob"
+    with client(served.server.url, served.token("admin", "alice")) as http:
+        job = http.post("/api/jobs", json=_spec(_command_job(alice_out, "id -un; echo hers > secret.txt"))).json()
+    assert served.wait_final(job["id"]) == "SUCCEEDED", served.failure(job["id"])
+    with client(served.server.url, served.token("admin", "bob")) as http:
+        probe = f"id -un; cat {alice_out}/secret.txt; ls {alice_out}/logs; true"
+        job = http.post("/api/jobs", json=_spec(_command_job(bob_out, probe))).json()
+    assert served.wait_final(job["id"]) == "SUCCEEDED", served.failure(job["id"])
+    assert _rank_log(alice_out).splitlines()[0] == ALICE
+    alice = pwd.getpwnam(ALICE).pw_uid
+    assert {p.stat().st_uid for p in [alice_out, alice_out / "secret.txt", *(alice_out / "logs").glob("rank-*")]} == {
+        alice
+    }
+    seen_by_bob = _rank_log(bob_out)
+    assert seen_by_bob.splitlines()[0] == "nobody"
+    assert f"cat: {alice_out}/secret.txt: Permission denied" in seen_by_bob
+    assert f"ls: cannot access '{alice_out}/logs': Permission denied" in seen_by_bob
+    assert "hers" not in seen_by_bob
+
+
+def test_open_beneath_follows_no_link_and_opens_only_regular_files(tmp_path: Path) -> None:
+    folder, outside = tmp_path / "job", tmp_path / "outside"
+    (folder / "logs").mkdir(parents=True)
+    outside.write_text("root's\n")
+    (folder / "link").symlink_to(outside)
+    (folder / "linked-logs").symlink_to(folder / "logs", target_is_directory=True)
+    os.mkfifo(folder / "fifo")
+    appending = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    for relative in ("link", "linked-logs/new.log", "fifo"):
+        with pytest.raises(OSError):
+            open_beneath(folder, relative, appending)
+    with pytest.raises(PermissionError):
+        open_beneath(folder, "fifo", os.O_RDONLY)  # opened without blocking, then refused: not a regular file
+    with pytest.raises(PermissionError):
+        open_beneath(folder, "logs/new.log", appending, owner=os.geteuid() + 1)
+    with pytest.raises(ValueError):
+        open_beneath(folder, "../outside", os.O_RDONLY)
+    assert outside.read_text() == "root's\n" and not (folder / "logs" / "new.log").exists()
+    fd = open_beneath(folder, "logs/new.log", appending, owner=os.geteuid())
+    os.write(fd, b"written\n")
+    os.close(fd)
+    assert (folder / "logs" / "new.log").read_text() == "written\n"
+
+
+def test_what_root_wrote_in_a_job_folder_is_handed_over_and_nothing_else(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("handing files to another account needs root")
+    nobody = JobAccount.named("nobody")
+    folder, outside = tmp_path / "job", tmp_path / "outside"
+    (folder / "checkpoints" / "step-1").mkdir(parents=True)
+    os.chown(folder, nobody.uid, nobody.gid)
+    pulled = folder / "checkpoints" / "step-1" / "state.pt"
+    pulled.write_bytes(b"from the store")
+    outside.write_text("root's\n")
+    os.link(outside, folder / "hard")  # as a job could, where the kernel allows links to others' files
+    (folder / "soft").symlink_to(outside)
+    hand_over(folder, nobody)
+    assert {p.stat().st_uid for p in [folder / "checkpoints", pulled.parent, pulled]} == {nobody.uid}
+    assert outside.stat().st_uid == 0 and (folder / "soft").lstat().st_uid == 0
+    with pytest.raises(SpecError, match=r"outputs.dir .*/job: soft is a symbolic link, which the job service does"):
+        refuse_links(folder)
+    (folder / "soft").unlink()
+    (folder / "checkpoints" / "latest").symlink_to(pulled.parent, target_is_directory=True)
+    with pytest.raises(SpecError, match="checkpoints/latest is a symbolic link"):
+        refuse_links(folder)
+
+
+def test_the_account_of_each_owner() -> None:
+    if os.geteuid() != 0:
+        assert job_account("alice") is None  # an unprivileged server's jobs run as its own user
+        return
+    environ = accounts_env("nobody", {"alice": "daemon"})
+    assert job_account("alice", environ) == JobAccount.named("daemon")
+    assert job_account("bob", environ) == JobAccount.named("nobody")
+    assert job_account("bob", accounts_env("", {"alice": "daemon"})) is None  # --job-user root
+    with pytest.raises(EngineError, match="the account no-such-account that this server runs this job as is gone") as e:
+        job_account("alice", accounts_env("nobody", {"alice": "no-such-account"}))
+    assert not e.value.retryable

@@ -304,6 +304,12 @@ def server(
         str,
         typer.Option(help="When the server runs as root: the unprivileged account its jobs run as."),
     ] = "nobody",
+    job_user_of: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="OWNER=ACCOUNT: run OWNER's jobs as ACCOUNT instead of --job-user (repeat per owner; root server).",
+        ),
+    ] = None,
     allow_command_jobs: Annotated[
         bool,
         typer.Option(
@@ -314,8 +320,8 @@ def server(
     """Serve the job service's HTTP API and web dashboard over the local store.
 
     Every request needs a token (`clusterfit token create --scope admin` on this machine makes the first)."""
+    from clusterfit.service.accounts import accounts_env
     from clusterfit.service.api import ServerSettings, bind, exposure_refusal, serve
-    from clusterfit.service.home import JOB_USER_ENV
 
     if (tls_cert is None) != (tls_key is None):
         raise _fail("--tls-cert and --tls-key go together; give both for HTTPS, or neither")
@@ -336,15 +342,32 @@ def server(
         behind_proxy=tls_terminated_elsewhere,
         allow_command_jobs=allow_command_jobs,
     )
-    if os.geteuid() == 0 and _job_account_differs(job_user):  # as anyone else, there are no root rights to drop
-        os.environ[JOB_USER_ENV] = job_user  # the supervisors this server starts inherit it
+    by_owner = _owner_accounts(job_user_of or [])
+    if os.geteuid() == 0:  # as anyone else, there are no root rights to drop
+        default = job_user if _job_account_differs(f"--job-user {job_user!r}", job_user) else ""
+        os.environ.update(accounts_env(default, by_owner))  # the supervisors this server starts inherit it
     say = partial(console.print, markup=False, highlight=False, soft_wrap=True)
     # Failed authentications and maintenance errors go to stderr with their time, for the operator.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(_store(), sock, settings, tls_cert=tls_cert, tls_key=tls_key, announce=say)
 
 
-def _job_account_differs(job_user: str) -> bool:
+def _owner_accounts(pairs: list[str]) -> dict[str, str]:
+    """--job-user-of OWNER=ACCOUNT pairs; each ACCOUNT exists, is not root and can run clusterfit."""
+    if pairs and os.geteuid() != 0:
+        raise _fail("--job-user-of: only a server run as root runs jobs as other accounts; run it as root, or drop it")
+    by_owner: dict[str, str] = {}
+    for pair in pairs:
+        owner, _, account = pair.partition("=")
+        if not owner or not account:
+            raise _fail(f"--job-user-of {pair!r}: give OWNER=ACCOUNT, e.g. --job-user-of alice=alice")
+        if not _job_account_differs(f"--job-user-of {pair!r}", account):
+            raise _fail(f"--job-user-of {pair!r}: {account} is the server's own account; name an unprivileged one")
+        by_owner[owner] = account
+    return by_owner
+
+
+def _job_account_differs(named_by: str, job_user: str) -> bool:
     """Whether a root server's jobs run as another account than the server's: `job_user` must then exist
     and be able to start this Python with clusterfit (checked now, not at each job's start)."""
     import pwd
@@ -353,7 +376,7 @@ def _job_account_differs(job_user: str) -> bool:
     try:
         account = pwd.getpwnam(job_user)
     except KeyError:
-        raise _fail(f"--job-user {job_user!r}: no such account on this machine; create it or name another") from None
+        raise _fail(f"{named_by}: no such account on this machine; create it or name another") from None
     if account.pw_uid == os.geteuid():
         return False
     try:
@@ -368,8 +391,8 @@ def _job_account_differs(job_user: str) -> bool:
         )
     except (OSError, subprocess.SubprocessError):
         raise _fail(
-            f"--job-user {job_user!r} cannot run {sys.executable} with clusterfit: install them where that "
-            "account can read them, or name another --job-user"
+            f"{named_by}: {job_user} cannot run {sys.executable} with clusterfit: install them where that "
+            "account can read them, or name another account"
         ) from None
     return True
 

@@ -1,9 +1,11 @@
 """Writing files that other processes read while they change: a reader sees the old content or the new, never
-half of it. Heartbeats, summaries, manifests and rendered job files all go through here."""
+half of it. Heartbeats, summaries, manifests and rendered job files all go through here. Also opening a file
+in a folder that another, unprivileged account controls, without being steered out of it."""
 
 from __future__ import annotations
 
 import os
+import stat
 import threading
 from pathlib import Path
 
@@ -47,3 +49,44 @@ def read_text_or_none(path: Path) -> str | None:
         return path.read_text()
     except OSError:
         return None
+
+
+def open_beneath(folder: Path, relative: str, flags: int, mode: int = 0o600, *, owner: int | None = None) -> int:
+    """A descriptor of `folder/relative`, reached without following a symbolic link below `folder`, and only if
+    it is a regular file (or a folder, with os.O_DIRECTORY in `flags`).
+
+    For a privileged process in a folder an unprivileged account can change (a root job service's job folder):
+    a link the account planted (`logs -> /etc`) would steer a plain open() to a file the account may not touch.
+    `owner`: the uid `folder` must belong to (checked on the folder actually opened, not on its name)."""
+    parts = Path(relative).parts
+    if not parts or any(part in ("", ".", "..") for part in parts) or Path(relative).is_absolute():
+        raise ValueError(f"{relative!r}: not a plain path inside a folder")
+    dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if owner is not None and os.fstat(dir_fd).st_uid != owner:
+            raise PermissionError(f"{folder} does not belong to uid {owner}")
+        for part in parts[:-1]:
+            next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+            os.close(dir_fd)
+            dir_fd = next_fd
+        # NOTE: O_NONBLOCK: a FIFO in place of the file must not block this process for ever.
+        fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+    kind = os.fstat(fd).st_mode
+    if not (stat.S_ISDIR(kind) if flags & os.O_DIRECTORY else stat.S_ISREG(kind)):
+        os.close(fd)
+        raise PermissionError(f"{folder / relative}: not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_regular(path: Path, start: int = 0, limit: int = -1) -> tuple[bytes, int]:
+    """Up to `limit` bytes of `path` from `start` (negative: from its end) and its size, if it is a regular file
+    and not a link: the job service reads the files of jobs that run as other accounts (their logs, their error
+    files), and a job's link in their place (`rank-0.log -> /etc/shadow`) must not be read through."""
+    fd = open_beneath(path.parent, path.name, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        f.seek(max(0, size + start) if start < 0 else start)
+        return f.read(limit), size

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import pwd
 import signal
 import subprocess
 import time
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
+from clusterfit.backends.job_folder import JobAccount, prepare_as
 from clusterfit.backends.mpi import launched_by_mpirun, mpi_launch_env, mpirun_command, require_mpirun
 from clusterfit.backends.torchrun import (
     as_launched,
@@ -24,7 +24,8 @@ from clusterfit.backends.torchrun import (
     torchrun_command,
     worker_env,
 )
-from clusterfit.files import write_atomically
+from clusterfit.errors import SpecError
+from clusterfit.files import open_beneath, write_atomically
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
@@ -61,30 +62,45 @@ class LocalBackend:
             secret_env=storage_secret_env(spec),
         )
 
-    def submit(self, spec: JobSpec, *, confined: bool = False, user: str | None = None) -> LocalRun:
+    def submit(self, spec: JobSpec, *, confined: bool = False, account: JobAccount | None = None) -> LocalRun:
         """`confined`: a job of the job service, started with `job_env` rather than this process's own
-        environment (which `clusterfit run` passes on: the user's job in the user's shell). `user`: the
-        unprivileged account it runs as (a root server's --job-user), which is given its outputs folder."""
+        environment (which `clusterfit run` passes on: the user's job in the user's shell). `account`: the
+        unprivileged account it runs as (a root server's job user), whose outputs folder it already is; what
+        goes there is then written by a process of that account's (backends/job_folder.py)."""
         rendered = self.dry_run(spec)
-        ship_code(spec)
-        for path, content in rendered.files.items():
-            write_atomically(Path(path), content)
         outputs = JobOutputs.at(spec.outputs.dir)
-        outputs.logs.mkdir(parents=True, exist_ok=True)
-        # NOTE: the agent writes to a file, never to a pipe: a pipe whose reader died breaks torchrun's
-        # log tailing threads and leaves the agent hanging at exit.
+        if account is None:
+            ship_code(spec)
+            for path, content in rendered.files.items():
+                write_atomically(Path(path), content)
+            outputs.logs.mkdir(parents=True, exist_ok=True)
+        else:
+            prepare_as(account, spec.code and Path(spec.code), outputs.root, rendered.files)
         if confined:
             env = job_env(outputs.root, rendered.env, rendered.secret_env)
         else:
             env = {**os.environ, **rendered.env, **rendered.secret_env}
-        account = pwd.getpwnam(user) if user else None
-        if account is not None:
-            give_folder(outputs.root, account.pw_uid, account.pw_gid)
-        with open(outputs.agent_log, "a") as agent_log:
+        # NOTE: the agent writes to a file, never to a pipe: a pipe whose reader died breaks torchrun's
+        # log tailing threads and leaves the agent hanging at exit.
+        agent_log_name = outputs.agent_log.relative_to(outputs.root).as_posix()
+        try:
+            agent_log = open_beneath(
+                outputs.root,
+                agent_log_name,
+                os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                0o666,
+                owner=account.uid if account else None,
+            )
+        except OSError as exc:
+            raise SpecError(
+                f"outputs.dir {outputs.root}: cannot write its {agent_log_name} ({exc.strerror or exc}; a link or "
+                "another kind of file is refused); remove it, or give another folder"
+            ) from None
+        with open(agent_log, "a") as agent_log_file:
             process = subprocess.Popen(
                 rendered.command,
                 env=env,
-                stdout=agent_log,
+                stdout=agent_log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 # A job of the service works in its outputs folder, never in the server's working folder.
@@ -92,9 +108,7 @@ class LocalBackend:
                 start_new_session=True,  # its own process group: a cancel reaches the agent and its helpers
                 preexec_fn=stop_with_parent,  # a launcher killed outright leaves no orphans
                 # NOTE: no supplementary groups: root's (or the server's) must not come along.
-                **(
-                    {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []} if account is not None else {}
-                ),
+                **(account.process_options() if account is not None else {}),
             )
         return LocalRun(process)
 
@@ -105,15 +119,6 @@ class LocalBackend:
     def cancel(self, ref: EngineRef) -> None:
         if _group_alive(ref):
             _stop_group(int(ref.id), lambda timeout: _wait_group_gone(ref, timeout))
-
-
-def give_folder(folder: Path, uid: int, gid: int) -> None:
-    """`folder` and everything in it belong to the job's account, which writes its logs, metrics and
-    checkpoints there (the supervisor, as root, still writes its own log and reads everything)."""
-    os.chown(folder, uid, gid)
-    for parent, folders, files in os.walk(folder):
-        for name in folders + files:
-            os.chown(os.path.join(parent, name), uid, gid, follow_symlinks=False)
 
 
 class LocalRun:

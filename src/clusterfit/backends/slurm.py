@@ -21,6 +21,7 @@ from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
+from clusterfit.backends.job_folder import JobAccount
 from clusterfit.backends.mpi import find_mpirun, launched_by_mpirun, mpirun_command
 from clusterfit.backends.node_copy import node_copy_command
 from clusterfit.backends.polled import PolledRun
@@ -214,17 +215,23 @@ class SlurmBackend:
         )
 
     def submit(
-        self, spec: JobSpec, *, confined: bool = False, user: str | None = None, outputs_store: str | None = None
+        self,
+        spec: JobSpec,
+        *,
+        confined: bool = False,
+        account: JobAccount | None = None,
+        outputs_store: str | None = None,
     ) -> PolledRun:
         """`confined`: a job of the job service, whose sbatch (which exports its environment to the job) gets the
-        allow-listed job environment and the operator's Slurm settings, never the supervisor's own. `user`: the
-        account a root server runs its jobs as, which a Slurm job cannot be given yet: refused, since the job
+        allow-listed job environment and the operator's Slurm settings, never the supervisor's own. `account`:
+        the account a root server runs its jobs as, which a Slurm job cannot be given yet: refused, since the job
         would run as root, who submits it. `outputs_store`: the URL of the job's outputs, whose launcher's copy
         `spec.outputs.dir` is; each node then works in a folder of its own, filled from the store."""
-        if user is not None:
+        if account is not None:
             raise EngineError(
-                f"this job service runs as root and runs its jobs as --job-user {user}, but a Slurm job runs as the "
-                f"user who submits it (root here); run the server as {user} or another unprivileged account",
+                f"this job service runs as root and runs its jobs as --job-user {account.name}, but a Slurm job runs "
+                f"as the user who submits it (root here); run the server as {account.name} or another unprivileged "
+                "account",
                 retryable=False,
             )
         if shutil.which("sbatch") is None:

@@ -6,12 +6,11 @@ RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT environment that torc
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 
+from clusterfit.backends.job_folder import copy_code
 from clusterfit.outputs import ATTEMPT_ENV, STORAGE_SAS_TOKEN_ENV, JobOutputs
-from clusterfit.outputs.layout import CODE_DIR
 from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.spec.model import JobSpec, is_url
 from clusterfit.storage.filesystems import cache_folder
@@ -54,23 +53,9 @@ def resolved_spec_file(spec: JobSpec) -> dict[str, str]:
 
 
 def ship_code(spec: JobSpec) -> None:
-    """Copy a command job's `code` folder into outputs.dir/code: the job runs the code as it was at submission,
-    and engines whose outputs.dir is on a shared filesystem find it on every node."""
-    if spec.code is None:
-        return
-    outputs = Path(spec.outputs.dir).resolve()
-    target = JobOutputs.at(outputs).code
-    staging = target.with_name(f".{CODE_DIR}.tmp")
-    skipped_names = shutil.ignore_patterns(".git", "__pycache__", ".venv")
-
-    def skipped(folder: str, names: list[str]) -> set[str]:
-        # `code: .` with outputs.dir inside it must not copy the outputs (and the copy) into itself.
-        return set(skipped_names(folder, names)) | {name for name in names if Path(folder, name).resolve() == outputs}
-
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(spec.code, staging, ignore=skipped, symlinks=True)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staging, target)
+    """A command job's `code` folder into outputs.dir/code (see copy_code)."""
+    if spec.code is not None:
+        copy_code(Path(spec.code), Path(spec.outputs.dir))
 
 
 def storage_secret_env(spec: JobSpec) -> dict[str, str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterfit.errors import ClusterfitError, DataError, SpecError
+from clusterfit.files import read_regular
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.outputs.logs import rank_logs, rank_of_error_file
 from clusterfit.service.states import FailureCause
@@ -231,14 +232,10 @@ def gather_evidence(
 
 def tail_lines(path: Path, count: int, max_bytes: int = 64 * 1024) -> list[str]:
     try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read().decode(errors="replace")
+        data, _ = read_regular(path, -max_bytes)
     except OSError:
         return []
-    return data.splitlines()[-count:]
+    return data.decode(errors="replace").splitlines()[-count:]
 
 
 def _exceptions(log_dir: Path) -> list[RankException]:
@@ -246,7 +243,7 @@ def _exceptions(log_dir: Path) -> list[RankException]:
     for path in log_dir.glob("rank-*.error.json") if log_dir.is_dir() else []:
         rank = rank_of_error_file(path.name)
         try:
-            record = json.loads(path.read_text())["message"]
+            record = json.loads(read_regular(path)[0])["message"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if rank is None or not isinstance(record, dict):

@@ -10,6 +10,7 @@ DATABASE_ENV = "CLUSTERFIT_DATABASE_URL"  # e.g. postgresql+psycopg://user@host/
 SERVER_ENV = "CLUSTERFIT_SERVER"
 TOKEN_ENV = "CLUSTERFIT_TOKEN"
 JOB_USER_ENV = "CLUSTERFIT_JOB_USER"  # set by a root server for its supervisors: who the jobs run as
+JOB_USERS_ENV = "CLUSTERFIT_JOB_USER_OF"  # and who each named owner's jobs run as instead (JSON: owner -> account)
 CAPACITY_ENV = "CLUSTERFIT_CAPACITY"  # local slots; default: the cores (or GPUs) of this machine
 
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clusterfit.files import read_regular
 from clusterfit.outputs.logs import is_followed_log, log_label, log_order
 
 _CHUNK_BYTES = 256 * 1024  # per file and request: a huge log arrives in pieces instead of one giant response
@@ -51,12 +52,10 @@ def read_logs(
         path = log_dir / name
         start = offsets.get(name, 0)
         try:
-            size = path.stat().st_size
+            data, size = read_regular(path, start, _CHUNK_BYTES)
             if size < start:
                 start = 0
-            with open(path, "rb") as f:
-                f.seek(start)
-                data = f.read(_CHUNK_BYTES)
+                data, size = read_regular(path, 0, _CHUNK_BYTES)
         except OSError:
             continue
         complete_up_to = _whole_lines(data)

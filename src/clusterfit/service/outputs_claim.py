@@ -11,7 +11,9 @@ import socket
 from pathlib import Path
 from typing import IO
 
-from clusterfit.errors import OutputsInUse
+from clusterfit.backends.job_folder import JobAccount
+from clusterfit.errors import OutputsInUse, SpecError
+from clusterfit.files import open_beneath
 from clusterfit.outputs import JobOutputs
 
 __all__ = ["OutputsClaim", "OutputsInUse", "claim_outputs"]
@@ -25,10 +27,19 @@ class OutputsClaim:
         self._handle.close()  # closing the descriptor drops the lock
 
 
-def claim_outputs(outputs_dir: Path, job_id: str) -> OutputsClaim:
-    """The outputs folder for `job_id` alone, or OutputsInUse naming the job that holds it."""
+def claim_outputs(outputs_dir: Path, job_id: str, account: JobAccount | None = None) -> OutputsClaim:
+    """The outputs folder for `job_id` alone, or OutputsInUse naming the job that holds it. The lock file is
+    opened without following a link; with `account` (whose job it is), only in a folder of that account's."""
     outputs_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(JobOutputs.at(outputs_dir).lock, "a+")  # noqa: SIM115 - held open for the job's life
+    lock = JobOutputs.at(outputs_dir).lock.name
+    try:
+        fd = open_beneath(outputs_dir, lock, os.O_RDWR | os.O_CREAT, 0o666, owner=account.uid if account else None)
+    except OSError as exc:
+        raise SpecError(
+            f"outputs.dir {outputs_dir}: cannot take its {lock} ({exc.strerror or exc}; a link or another kind of "
+            "file is refused); remove it, or give another folder"
+        ) from None
+    handle = open(fd, "r+")  # noqa: SIM115 - held open for the job's life
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from clusterfit.backends import RunHandle, get_backend
+from clusterfit.backends.job_folder import JobAccount
 from clusterfit.errors import ClusterfitError
+from clusterfit.files import open_beneath
 from clusterfit.launch import preflight
 from clusterfit.outputs import (
     ATTEMPT_ENV,
@@ -30,8 +32,9 @@ from clusterfit.outputs import (
     clear_heartbeats,
     read_heartbeats,
 )
-from clusterfit.outputs.layout import CHECKPOINT_DIR, LOG_DIR, rank_log_name
+from clusterfit.outputs.layout import CHECKPOINT_DIR, LOG_DIR, SUPERVISOR_LOG, rank_log_name
 from clusterfit.processes import process_start_time
+from clusterfit.service.accounts import hand_over, job_account, make_outputs_folder, refuse_links
 from clusterfit.service.causes import (
     Failure,
     classify,
@@ -40,7 +43,6 @@ from clusterfit.service.causes import (
     gather_evidence,
     oom_kill_count,
 )
-from clusterfit.service.home import JOB_USER_ENV
 from clusterfit.service.outputs_claim import OutputsClaim, claim_outputs
 from clusterfit.service.records import forget_secrets, outputs_url, spec_of
 from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
@@ -84,6 +86,8 @@ class Supervisor:
         # never this process's (which holds the server's home, database URL and capacity).
         self.store, self.job_id = store, job_id
         self.confined = confined
+        # A root server's job runs as an unprivileged account (service/accounts.py); known at each attempt.
+        self.account: JobAccount | None = None
         self.poll_s, self.on_tick, self.log = poll_s, on_tick, log
         self._outputs_claim: OutputsClaim | None = None
 
@@ -113,15 +117,23 @@ class Supervisor:
         try:
             spec = spec_of(job)
             url = outputs_url(job)
+            self.account = job_account(job.owner) if self.confined else None
+            account = self.account if spec.resources.backend == "local" else None
+            if account is not None:
+                make_outputs_folder(Path(spec.outputs.dir), account)
             # On Kubernetes a folder outputs.dir is the cluster's volume, not here.
             if self._outputs_claim is None and (spec.resources.backend != "kubernetes" or url is not None):
-                self._outputs_claim = claim_outputs(Path(spec.outputs.dir), job.id)
+                self._outputs_claim = claim_outputs(Path(spec.outputs.dir), job.id, account)
             if url is not None:
                 # Where the nodes share no folder with this one, they write the store and this copy reads it back.
                 role = MirrorRole.LAUNCHER if spec.resources.backend in _OWN_FOLDERS else MirrorRole.FOLDER
                 mirror = OutputsMirror(JobOutputs.at(spec.outputs.dir), url, credentials(spec.storage), role=role)
                 mirror.claim(job.id, writer_ttl_s(spec.outputs.upload_every_s))  # one job per store copy
+                if account is not None:
+                    refuse_links(Path(spec.outputs.dir))  # what this process writes there must stay there
                 self._restore(mirror)  # a fresh machine resumes where the store's copy ends
+                if account is not None:
+                    hand_over(Path(spec.outputs.dir), account)
             preflight(spec)  # again: data can vanish while a job waits in the queue
         except ClusterfitError as exc:
             if mirror is not None:
@@ -180,8 +192,7 @@ class Supervisor:
             # The engines that start a job from this process: its environment and its user would reach the job.
             options: dict[str, Any] = {} if outputs_store is None else {"outputs_store": outputs_store}
             if self.confined and backend.name in ("local", "slurm"):
-                user = (os.environ.get(JOB_USER_ENV) or None) if os.geteuid() == 0 else None
-                options.update(confined=True, user=user)
+                options.update(confined=True, account=self.account)
             handle = backend.submit(spec, **options)  # type: ignore[call-arg]
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
             return Outcome.FAILED, failure_for_error(exc, backend.name)
@@ -358,9 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     os.setsid()
     store = open_store()
     job = store.get(job_id)
-    outputs = JobOutputs.at(job.outputs_dir)
-    outputs.logs.mkdir(parents=True, exist_ok=True)
-    with open(outputs.supervisor_log, "a", buffering=1) as out:
+    with open(_open_log(job), "a", buffering=1) as out:
         os.dup2(out.fileno(), sys.stdout.fileno())
         os.dup2(out.fileno(), sys.stderr.fileno())
 
@@ -373,6 +382,22 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             schedule(store)  # this job's slots are free: start whatever waits for them
     return 0
+
+
+def _open_log(job: Job) -> int:
+    """The supervisor's log in the job's folder, opened without following a link a job could have planted
+    there; /dev/null when the folder is refused (the first attempt then fails with the reason)."""
+    outputs = JobOutputs.at(job.outputs_dir)
+    account = job_account(job.owner) if job.backend == "local" else None
+    try:
+        if account is not None:
+            make_outputs_folder(outputs.root, account)
+        else:
+            outputs.logs.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        return open_beneath(outputs.root, f"{LOG_DIR}/{SUPERVISOR_LOG}", flags, owner=account.uid if account else None)
+    except (ClusterfitError, OSError):
+        return os.open(os.devnull, os.O_WRONLY)
 
 
 if __name__ == "__main__":

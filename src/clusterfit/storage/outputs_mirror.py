@@ -298,7 +298,8 @@ class OutputsMirror:
         found = []
         for path in sorted(self.outputs.root.rglob("*")):
             rel = path.relative_to(self.outputs.root)
-            if not path.is_file() or rel.parts[0] in _NOT_MIRRORED:
+            # A link is never followed: a job's link to a file it may not read must not reach the store.
+            if path.is_symlink() or not path.is_file() or rel.parts[0] in _NOT_MIRRORED:
                 continue
             if rel.parts[0] == CHECKPOINT_DIR and len(rel.parts) > 2:
                 continue
@@ -333,7 +334,9 @@ class OutputsMirror:
             stat = manifest.stat()  # pushed by an earlier supervisor of this job, or pulled from the store
             self._sent[rel_manifest] = (stat.st_size, stat.st_mtime_ns)
             return False
-        for path in sorted(p for p in checkpoint.rglob("*") if p.is_file() and p != manifest):
+        if checkpoint.is_symlink():
+            return False
+        for path in sorted(p for p in checkpoint.rglob("*") if p.is_file() and not p.is_symlink() and p != manifest):
             self._upload_if_changed(path, moved)
         return self._upload_if_changed(manifest, moved)
 
