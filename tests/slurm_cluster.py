@@ -33,7 +33,8 @@ class SlurmCluster:
     def __init__(self, root: Path) -> None:
         self.root = root
         self.conf = root / "slurm.conf"
-        self.munge_socket = root / "munge" / "munge.socket"
+        # As /run/munge: every account's srun reaches the socket; the key stays in a folder of root's only.
+        self.munge_socket = root / "munge-socket" / "munge.socket"
         self.processes: list[subprocess.Popen[bytes]] = []
 
     @property
@@ -42,9 +43,10 @@ class SlurmCluster:
         return {"SLURM_CONF": str(self.conf)}
 
     def start(self) -> None:
-        for folder in ("munge", "state", "spool", "log"):
+        for folder in ("munge", "munge-socket", "state", "spool", "log"):
             (self.root / folder).mkdir(parents=True, exist_ok=True)
         os.chmod(self.root / "munge", 0o700)
+        os.chmod(self.root / "munge-socket", 0o755)
         key = self.root / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o400)

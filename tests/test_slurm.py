@@ -4,8 +4,11 @@ cluster (munged, slurmctld, slurmd) started on localhost for this module, throug
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, cli_command, exported_weights, run_cli, tiny_job, wait_for, write_job
+from job_accounts import python_for
 from slurm_cluster import SlurmCluster, missing_reason
 from test_command_jobs import (
     assert_one_tensorflow_cluster_learned,
@@ -78,7 +82,10 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     reason = missing_reason()
     if reason is not None:
         pytest.skip(reason)
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    # Not in pytest's own folders, which only root may enter: slurmd runs the scripts of jobs of other accounts
+    # from its spool folder in here.
+    cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix="clusterfit-slurm-")))
+    cluster.root.chmod(0o711)
     saved = os.environ.get("SLURM_CONF")
     try:
         cluster.start()
@@ -86,6 +93,7 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.root, ignore_errors=True)
         if saved is None:
             os.environ.pop("SLURM_CONF", None)
         else:
@@ -184,13 +192,46 @@ def test_a_job_of_the_job_service_gets_none_of_the_server_s_environment_on_slurm
     assert env["FROM_SPEC"] == "yes" and env["SLURM_CONF"] == slurm.env["SLURM_CONF"]
     assert not {"SERVER_ONLY_SECRET", "CLUSTERFIT_HOME"} & set(env), sorted(env)
 
-    # A root server that runs its jobs as another account (--job-user) would have Slurm run this one as root.
-    monkeypatch.setenv("CLUSTERFIT_JOB_USER", "nobody")  # what `clusterfit server --job-user` sets, as root
-    refused = submit(write_job(tmp_path / "job.yaml", {**job, "outputs": {"dir": str(tmp_path / "refused")}}))
-    assert ended(refused) == "FAILED"
-    shown = run_cli("show", refused).stdout
-    assert "a Slurm job runs as the user who submits it (root here); run the server as nobody" in shown, shown
-    assert not (tmp_path / "refused" / "logs" / "rank-0.log").exists()
+
+def test_a_root_job_service_runs_a_slurm_job_as_the_job_s_account(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """Slurm runs a job as the user who submits it: a root server's supervisor submits it as the job's account
+    (`sbatch --uid`), in an outputs folder that account made; the job cannot read the service home. Before, such
+    a server refused Slurm jobs, which would have run as root."""
+    with python_for("nobody") as python:
+        if python is None:
+            pytest.skip("nobody can run no Python with clusterfit here (as root, with a python3 of this version)")
+        shared = Path(tempfile.mkdtemp(prefix="clusterfit-slurm-outputs-"))
+        try:
+            shared.chmod(0o1777)  # a shared folder where each account makes its own
+            out = shared / "out"
+            home = tmp_path / "home"  # the service home: root's only
+            job = command_job(out, user_code(shared), f"id -un; ls {home} 2>&1 | head -1; pwd", processes=1)
+            job["resources"]["backend"] = "slurm"
+            env = {**os.environ, "CLUSTERFIT_HOME": str(home), "CLUSTERFIT_JOB_USER": "nobody"}  # as a root server sets
+            submitted = subprocess.run(
+                [python, "-m", "clusterfit", "submit", str(write_job(tmp_path / "job.yaml", job))],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert submitted.returncode == 0, submitted.stderr
+            job_id = submitted.stdout.strip()
+            store = open_store(f"sqlite:///{home / 'jobs.db'}")
+            try:
+                final = wait_for(lambda: store.get(job_id).job_state.is_terminal and store.get(job_id), 180, "the end")
+            except AssertionError:
+                logs = {p.name: p.read_text() for p in (out / "logs").iterdir()} if (out / "logs").exists() else {}
+                raise AssertionError(f"{store.get(job_id).state} {logs} {slurm.run('squeue').stdout}") from None
+            assert final.state == "SUCCEEDED", f"{final.cause}: {final.cause_detail}"
+            said = (out / "logs" / "rank-0.log").read_text().splitlines()
+            assert said == ["nobody", f"ls: cannot access '{home}': Permission denied", str(out / "code")], said
+            nobody = pwd.getpwnam("nobody").pw_uid
+            assert {path.stat().st_uid for path in [out, out / "logs", out / "code", out / "logs" / "agent.log"]} == {
+                nobody
+            }
+        finally:
+            shutil.rmtree(shared, ignore_errors=True)
 
 
 def _long_job(out: Path) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
-from clusterfit.backends.job_folder import JobAccount
+from clusterfit.backends.job_folder import JobAccount, prepare_as
 from clusterfit.backends.mpi import find_mpirun, launched_by_mpirun, mpirun_command
 from clusterfit.backends.node_copy import node_copy_command
 from clusterfit.backends.polled import PolledRun
@@ -195,7 +195,7 @@ def slurm_settings(environ: Mapping[str, str]) -> dict[str, str]:
 class SlurmBackend:
     name = "slurm"
 
-    def dry_run(self, spec: JobSpec, outputs_store: str | None = None) -> Rendered:
+    def dry_run(self, spec: JobSpec, outputs_store: str | None = None, workdir: str | None = None) -> Rendered:
         spec, url = as_launched(spec)  # `clusterfit run --dry-run` of a spec whose outputs.dir is a URL
         outputs_store = outputs_store or url
         if outputs_store is not None and launched_by_mpirun(spec):
@@ -206,7 +206,7 @@ class SlurmBackend:
             )
         out = Path(spec.outputs.dir)
         script = out / SCRIPT
-        text = sbatch_script(spec, python=sys.executable, workdir=os.getcwd(), outputs_store=outputs_store)
+        text = sbatch_script(spec, python=sys.executable, workdir=workdir or os.getcwd(), outputs_store=outputs_store)
         return Rendered(
             backend=self.name,
             command=["sbatch", "--parsable", str(script.resolve())],
@@ -223,27 +223,29 @@ class SlurmBackend:
         outputs_store: str | None = None,
     ) -> PolledRun:
         """`confined`: a job of the job service, whose sbatch (which exports its environment to the job) gets the
-        allow-listed job environment and the operator's Slurm settings, never the supervisor's own. `account`:
-        the account a root server runs its jobs as, which a Slurm job cannot be given yet: refused, since the job
-        would run as root, who submits it. `outputs_store`: the URL of the job's outputs, whose launcher's copy
-        `spec.outputs.dir` is; each node then works in a folder of its own, filled from the store."""
-        if account is not None:
-            raise EngineError(
-                f"this job service runs as root and runs its jobs as --job-user {account.name}, but a Slurm job runs "
-                f"as the user who submits it (root here); run the server as {account.name} or another unprivileged "
-                "account",
-                retryable=False,
-            )
+        allow-listed job environment and the operator's Slurm settings, never the supervisor's own, and which
+        starts in its outputs folder. `account`: the unprivileged account a root server runs the job as
+        (`sbatch --uid`), whose outputs folder it already is; what goes there is then written by a process of
+        that account's, and the batch script reaches sbatch from memory. `outputs_store`: the URL of the job's
+        outputs, whose launcher's copy `spec.outputs.dir` is; each node then works in a folder of its own,
+        filled from the store."""
         if shutil.which("sbatch") is None:
             raise EngineError(
                 "resources.backend = 'slurm' but sbatch is not on PATH; run on a Slurm login node", retryable=False
             )
-        rendered = self.dry_run(spec, outputs_store)
-        ship_code(spec)
-        for path, content in rendered.files.items():
-            write_atomically(Path(path), content)
+        rendered = self.dry_run(spec, outputs_store, workdir=spec.outputs.dir if confined else None)
         launcher_copy = JobOutputs.at(Path(spec.outputs.dir).resolve())
-        launcher_copy.logs.mkdir(parents=True, exist_ok=True)
+        command, script = rendered.command, None
+        if account is None:
+            ship_code(spec)
+            for path, content in rendered.files.items():
+                write_atomically(Path(path), content)
+            launcher_copy.logs.mkdir(parents=True, exist_ok=True)
+        else:
+            prepare_as(account, spec.code and Path(spec.code), launcher_copy.root, rendered.files)
+            # NOTE: root reads nothing back that the account wrote (the script could now be a link to any file).
+            script = rendered.files[str(Path(spec.outputs.dir) / SCRIPT)]
+            command = [*command[:-1], f"--uid={account.uid}", f"--gid={account.gid}"]
         if outputs_store is not None:  # before any node starts: each fills its folder from the store
             creds = credentials(spec.storage)
             OutputsMirror(launcher_copy, outputs_store, creds, role=MirrorRole.LAUNCHER).push(read_back=False)
@@ -252,7 +254,7 @@ class SlurmBackend:
             env = job_env(spec.outputs.dir, slurm_settings(os.environ), rendered.secret_env)
         else:
             env = {**os.environ, **rendered.secret_env}
-        result = subprocess.run(rendered.command, env=env, capture_output=True, text=True)
+        result = subprocess.run(command, input=script, env=env, capture_output=True, text=True)
         if result.returncode != 0:
             raise sbatch_refusal(result.stderr or result.stdout, spec)
         job_id = result.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;cluster"

@@ -65,6 +65,9 @@ class Outcome(enum.Enum):
 # Engines whose nodes each work in a folder of their own when the outputs are at a URL (Ray's actors, Kubernetes
 # pods); on the others (local, Slurm) the workers write the folder this process sees.
 _OWN_FOLDERS = ("ray", "kubernetes", "slurm")
+# Engines that start a job from this process, and so with its environment and user: a job of a root server
+# runs there as its account (service/accounts.py).
+_RUN_AS_ACCOUNT = ("local", "slurm")
 
 
 def this_supervisor() -> dict[str, str]:
@@ -118,7 +121,7 @@ class Supervisor:
             spec = spec_of(job)
             url = outputs_url(job)
             self.account = job_account(job.owner) if self.confined else None
-            account = self.account if spec.resources.backend == "local" else None
+            account = self.account if spec.resources.backend in _RUN_AS_ACCOUNT else None
             if account is not None:
                 make_outputs_folder(Path(spec.outputs.dir), account)
             # On Kubernetes a folder outputs.dir is the cluster's volume, not here.
@@ -189,9 +192,8 @@ class Supervisor:
         agent_log_start = agent_log.stat().st_size if agent_log.exists() else 0
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
-            # The engines that start a job from this process: its environment and its user would reach the job.
             options: dict[str, Any] = {} if outputs_store is None else {"outputs_store": outputs_store}
-            if self.confined and backend.name in ("local", "slurm"):
+            if self.confined and backend.name in _RUN_AS_ACCOUNT:
                 options.update(confined=True, account=self.account)
             handle = backend.submit(spec, **options)  # type: ignore[call-arg]
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
@@ -388,7 +390,7 @@ def _open_log(job: Job) -> int:
     """The supervisor's log in the job's folder, opened without following a link a job could have planted
     there; /dev/null when the folder is refused (the first attempt then fails with the reason)."""
     outputs = JobOutputs.at(job.outputs_dir)
-    account = job_account(job.owner) if job.backend == "local" else None
+    account = job_account(job.owner) if job.backend in _RUN_AS_ACCOUNT else None
     try:
         if account is not None:
             make_outputs_folder(outputs.root, account)
