@@ -13,7 +13,17 @@ import pytest
 from conftest import tiny_job, write_job
 from service_server import ServerProcess, make_token
 
-from clusterfit.outputs import JobOutputs, MetricsWriter, RankBeat, write_heartbeat
+from clusterfit.outputs import (
+    JobOutputs,
+    MetricsTail,
+    MetricsWriter,
+    RankBeat,
+    RecordKind,
+    read_heartbeats,
+    write_heartbeat,
+)
+from clusterfit.outputs.metrics import last_record, read_records
+from clusterfit.outputs.summary import read_summary
 from clusterfit.service.causes import tail_lines
 from clusterfit.service.client import ServiceClient
 from clusterfit.service.jobs import JobService, Refused, ServiceError, cancel_and_wait, follow_logs, parse_state
@@ -104,18 +114,29 @@ def test_log_lines_end_like_a_text_file_and_a_half_line_is_not_more(tmp_path: Pa
     assert read_logs(tmp_path, second.cursor, final=True).lines == ["[rank0] last"]
 
 
-def test_a_log_that_is_a_link_is_not_read_through(tmp_path: Path) -> None:
-    """The server (root) serves the logs of jobs that run as other accounts: a job's `rank-1.log -> /etc/shadow`
-    must show nothing; so must a cause read from a linked log's tail."""
+def test_a_job_s_file_that_is_a_link_is_not_read_through(tmp_path: Path) -> None:
+    """The server (root) reads the files of jobs that run as other accounts: a job's `rank-1.log -> /etc/shadow`
+    must show nothing, in the log API or in a cause read from a log's tail; nor may its metrics, heartbeat or
+    summary, each a link to a file of JSON the job may not read, show through the API."""
     secret = tmp_path / "secret"
     secret.write_text("root:$6$hash\n")
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    (logs / "rank-0.log").write_text("step 1\n")
-    (logs / "rank-1.log").symlink_to(secret)
-    chunk = read_logs(logs, None, final=True)
+    secret_json = tmp_path / "secret.json"
+    secret_json.write_text(json.dumps({"kind": "train", "step": 1, "time": 1.0, "secret": "root's"}) + "\n")
+    outputs = JobOutputs.at(tmp_path / "job")
+    outputs.logs.mkdir(parents=True)
+    outputs.heartbeats.mkdir()
+    (outputs.logs / "rank-0.log").write_text("step 1\n")
+    (outputs.logs / "rank-1.log").symlink_to(secret)
+    chunk = read_logs(outputs.logs, None, final=True)
     assert chunk.lines == ["[rank0] step 1"]
-    assert tail_lines(logs / "rank-1.log", 10) == [] and tail_lines(logs / "rank-0.log", 10) == ["step 1"]
+    assert tail_lines(outputs.logs / "rank-1.log", 10) == [] and tail_lines(outputs.logs / "rank-0.log", 10) == [
+        "step 1"
+    ]
+    follower = MetricsTail(outputs.metrics, from_start=True)
+    for path in (outputs.metrics, outputs.summary, outputs.heartbeat(0)):
+        path.symlink_to(secret_json)
+    assert read_records(outputs.metrics) == [] and last_record(outputs.metrics, RecordKind.TRAIN) is None
+    assert follower.read_new() == [] and read_summary(outputs) is None and read_heartbeats(outputs) == {}
 
 
 # --- both implementations ----------------------------------------------------------------------------------

@@ -349,12 +349,32 @@ def test_what_root_wrote_in_a_job_folder_is_handed_over_and_nothing_else(tmp_pat
 
 def test_the_account_of_each_owner() -> None:
     if os.geteuid() != 0:
-        assert job_account("alice") is None  # an unprivileged server's jobs run as its own user
+        assert job_account("alice", "local") is None  # an unprivileged server's jobs run as its own user
         return
     environ = accounts_env("nobody", {"alice": "daemon"})
-    assert job_account("alice", environ) == JobAccount.named("daemon")
-    assert job_account("bob", environ) == JobAccount.named("nobody")
-    assert job_account("bob", accounts_env("", {"alice": "daemon"})) is None  # --job-user root
+    assert job_account("alice", "local", environ) == JobAccount.named("daemon")
+    assert job_account("bob", "slurm", environ) == JobAccount.named("nobody")
+    assert job_account("bob", "ray", environ) is None  # Ray's daemons start its processes
+    assert job_account("bob", "local", accounts_env("", {"alice": "daemon"})) is None  # --job-user root
     with pytest.raises(EngineError, match="the account no-such-account that this server runs this job as is gone") as e:
-        job_account("alice", accounts_env("nobody", {"alice": "no-such-account"}))
+        job_account("alice", "local", accounts_env("nobody", {"alice": "no-such-account"}))
     assert not e.value.retryable
+
+
+def test_a_job_s_data_is_checked_with_its_account_s_rights(served: Served, reachable: Path, as_nobody: None) -> None:
+    """Replayed: the server (root) checked a submitted job's data with root's rights, so its one-line answer
+    told a `submit` token what a folder only root may read holds: `no such folder` for a name that is not there,
+    another answer for one that is. Checked as the job's account, both answers are the same."""
+    private = reachable / "private-data"
+    (private / "cats" / "tabby").mkdir(parents=True)
+    private.chmod(0o700)
+    answers = {}
+    with client(served.server.url, served.token("submit", "mallory")) as http:
+        for name in ("cats", "dogs"):
+            job = _trainer_job(reachable / "out")
+            job["trainer"]["data"] = {"train": str(private / name), "image_size": 32}
+            answers[name] = http.post("/api/jobs", json=_spec(job))
+    assert [answer.status_code for answer in answers.values()] == [422, 422]
+    said = {name: answer.json()["detail"].replace(name, "NAME") for name, answer in answers.items()}
+    expected = f"trainer.data: {private}/NAME/index.json: permission denied; give data that the job (its user) may read"
+    assert said == {"cats": expected, "dogs": expected}

@@ -1,19 +1,29 @@
-"""What the launcher checks before any worker starts. Imports no torch: submitting a job stays fast."""
+"""What the launcher checks before any worker starts. Imports no torch: submitting a job stays fast.
+
+A root job service checks a job's data with the rights of the account the job runs as (`preflight_as`, which
+runs `python -m clusterfit.launch` as that account): with root's, its answers would tell a submitter what is in
+folders only root may read."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
+from clusterfit.backends.job_folder import JobAccount
 from clusterfit.backends.local import local_gpu_count
 from clusterfit.backends.mpi import launched_by_mpirun, require_mpirun
+from clusterfit.backends.torchrun import storage_secret_env
 from clusterfit.data.folders import inspect_data, list_score_inputs, steps_per_epoch
 from clusterfit.data.staging import check_remote_file
-from clusterfit.errors import DataError, SpecError
+from clusterfit.errors import ClusterfitError, DataError, SpecError
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import published, read_manifest
 from clusterfit.outputs.layout import WEIGHTS_FILE, model_card_file
 from clusterfit.outputs.model_card import read_model_card
 from clusterfit.outputs.predictions import ScorePlan, check_plan, plan_chunk_size, require_pyarrow
+from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.spec.model import JobSpec, is_url
 from clusterfit.storage.filesystems import credentials
 from clusterfit.storage.outputs_mirror import check_store
@@ -41,7 +51,13 @@ def preflight(spec: JobSpec) -> None:
             f"trainer.init.weights = {init.weights!r}: no such file; give an earlier job's model/model.safetensors",
             retryable=False,
         )
-    facts = inspect_data(spec.trainer.data, spec.storage)
+    try:
+        facts = inspect_data(spec.trainer.data, spec.storage)
+    except PermissionError as exc:  # a root job service checks as the job's account
+        raise DataError(
+            f"trainer.data: {exc.filename}: permission denied; give data that the job (its user) may read",
+            retryable=False,
+        ) from None
     if facts.train_images is not None:  # data at a URL is counted by the workers, once staged
         steps_per_epoch(spec.trainer, facts, spec.world_size)
     latest = published(JobOutputs.at(spec.outputs.dir).checkpoints)
@@ -54,6 +70,41 @@ def preflight(spec: JobSpec) -> None:
                 f"outputs.dir = {spec.outputs.dir!r} holds checkpoints of another model ({'; '.join(clashes)}); "
                 "choose a new outputs.dir, or move the old one away to start over"
             )
+
+
+def preflight_as(account: JobAccount, spec: JobSpec) -> None:
+    """`preflight` run as `account`, raising what it raised there."""
+    done = subprocess.run(
+        [sys.executable, "-m", "clusterfit.launch"],
+        input=resolved_spec_text(spec),
+        capture_output=True,
+        text=True,
+        **account.helper_options(storage_secret_env(spec)),
+    )
+    if done.returncode == 0:
+        return
+    try:
+        said = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise SpecError(f"checking the job's data as the account {account.name} failed: {last}") from None
+    if said["retryable"] or said["kind"] != "SpecError":
+        raise DataError(said["message"], retryable=said["retryable"])
+    raise SpecError(said["message"])
+
+
+def main() -> int:
+    """`python -m clusterfit.launch` < a resolved job.yaml: `preflight` as this process's user; its error as one
+    JSON line on standard output."""
+    from clusterfit.spec import load_spec_text
+
+    try:
+        preflight(load_spec_text(sys.stdin.read(), source="job.yaml"))
+    except ClusterfitError as exc:
+        kind = "SpecError" if isinstance(exc, SpecError) else "DataError"
+        print(json.dumps({"kind": kind, "retryable": exc.retryable, "message": str(exc)}))
+        return 1
+    return 0
 
 
 def _check_devices(spec: JobSpec) -> None:
@@ -103,3 +154,7 @@ def _check_scoring_job(spec: JobSpec) -> None:
     chunk = plan_chunk_size(outputs, inputs.files, spec.world_size, scorer.chunk_images)
     plan = ScorePlan(inputs.files, inputs.labels, chunk)
     check_plan(outputs, plan.record(card.files.get(WEIGHTS_FILE, "")), write=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -43,14 +43,12 @@ class JobAccount:
         """subprocess arguments that start a process as this account, without the starter's groups."""
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
 
-    def helper_options(self) -> dict[str, Any]:
-        """Those of a short helper of the launcher's run as this account: from /, with a bare environment,
-        since another process of the account could read the launcher's (a server's database URL) from it."""
-        return {
-            **self.process_options(),
-            "cwd": "/",
-            "env": {"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONUTF8": "1"},
-        }
+    def helper_options(self, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """Those of a short helper of the launcher's run as this account: from /, with a bare environment (and
+        `env`, the job's own), since another process of the account could read the launcher's (a server's
+        database URL) from it."""
+        bare = {"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONUTF8": "1"}
+        return {**self.process_options(), "cwd": "/", "env": {**bare, **(env or {})}}
 
 
 def copy_code(code: Path, outputs_dir: Path) -> None:

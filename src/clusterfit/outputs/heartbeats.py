@@ -7,7 +7,7 @@ import enum
 import json
 from dataclasses import asdict, dataclass
 
-from clusterfit.files import write_atomically
+from clusterfit.files import read_regular, write_atomically
 from clusterfit.outputs.layout import JobOutputs
 
 
@@ -62,7 +62,7 @@ def read_heartbeats(outputs: JobOutputs, attempt: int | None = None) -> dict[int
     folder = outputs.heartbeats
     for path in folder.glob("rank-*.json") if folder.is_dir() else []:
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(read_regular(path)[0])
             beat = RankBeat(rank=int(path.stem.split("-", 1)[1]), **record)
         except (OSError, ValueError, TypeError):
             continue

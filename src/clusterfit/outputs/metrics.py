@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from clusterfit.files import read_regular
+
 
 class RecordKind(str, enum.Enum):
     START = "start"  # total_steps, the step a resumed run starts at
@@ -85,7 +87,7 @@ class MetricsTail:
         self.path = path
         self.offset = 0 if from_start or not path.exists() else path.stat().st_size
         self._inode = path.stat().st_ino if path.exists() else None
-        self._partial = ""
+        self._partial = b""
         self._last_time: float | None = None
 
     def read_new(self) -> list[dict[str, Any]]:
@@ -95,15 +97,16 @@ class MetricsTail:
             return []
         replaced = self._inode is not None and inode != self._inode
         if replaced:
-            self.offset, self._partial = 0, ""
+            self.offset, self._partial = 0, b""
         self._inode = inode
-        with open(self.path) as f:
-            f.seek(self.offset)
-            chunk = f.read()
-            self.offset = f.tell()
-        lines = (self._partial + chunk).split("\n")
+        try:
+            chunk, _ = read_regular(self.path, self.offset)
+        except OSError:
+            return []
+        self.offset += len(chunk)
+        lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
-        records = list(_parse(lines))
+        records = list(_parse(line.decode(errors="replace") for line in lines))
         if replaced and self._last_time is not None:
             last = self._last_time
             records = [record for record in records if (_time(record) or 0.0) > last]
@@ -121,21 +124,19 @@ def _time(record: dict[str, Any]) -> float | None:
 
 def read_records(path: Path, kinds: Iterable[RecordKind] | None = None) -> list[dict[str, Any]]:
     """Every complete record in the file (of `kinds`, when given); a line cut short by a crash is skipped."""
-    if not path.exists():
+    try:
+        text = read_regular(path)[0].decode(errors="replace")
+    except OSError:  # none yet, or not a file of the job's (a link)
         return []
     wanted = None if kinds is None else {kind.value for kind in kinds}
-    return [
-        record for record in _parse(path.read_text().splitlines()) if wanted is None or record.get("kind") in wanted
-    ]
+    return [record for record in _parse(text.splitlines()) if wanted is None or record.get("kind") in wanted]
 
 
 def last_record(path: Path, kind: RecordKind, tail_bytes: int = 65536) -> dict[str, Any] | None:
     """The newest complete record of `kind`, read from the file's end only (a long job's file is large)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(max(f.seek(0, 2) - tail_bytes, 0))
-            lines = f.read().decode(errors="replace").splitlines()
-    except FileNotFoundError:
+        lines = read_regular(path, -tail_bytes)[0].decode(errors="replace").splitlines()
+    except OSError:
         return None
     for record in reversed(list(_parse(lines))):
         if record.get("kind") == kind.value:

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from clusterfit import __version__
-from clusterfit.files import write_atomically
+from clusterfit.files import read_regular, write_atomically
 from clusterfit.outputs.layout import JobOutputs
 
 SCORING = "scoring"  # a scoring job's summary says `"kind": "scoring"` (images scored, skipped, images/s)
@@ -48,8 +48,8 @@ def write_summary(
 
 def read_summary(outputs: JobOutputs) -> dict[str, Any] | None:
     try:
-        return json.loads(outputs.summary.read_text())
-    except FileNotFoundError:
+        return json.loads(read_regular(outputs.summary)[0])
+    except OSError:  # none yet, or not a file of the job's (a link)
         return None
 
 

@@ -29,10 +29,15 @@ def accounts_env(default: str, by_owner: Mapping[str, str]) -> dict[str, str]:
     return {JOB_USER_ENV: default, JOB_USERS_ENV: json.dumps(dict(by_owner), sort_keys=True)}
 
 
-def job_account(owner: str, environ: Mapping[str, str] = os.environ) -> JobAccount | None:
-    """The account `owner`'s jobs run as; None when they run as this process's own user (it is not root, or
-    its server was told `--job-user root`)."""
-    if os.geteuid() != 0:
+# The engines a job's supervisor starts it on from its own process, whose user (root) would reach the job: there
+# it runs as its account. Ray's and Kubernetes' own daemons start theirs.
+RUNS_AS_ACCOUNT = ("local", "slurm")
+
+
+def job_account(owner: str, backend: str, environ: Mapping[str, str] = os.environ) -> JobAccount | None:
+    """The account `owner`'s jobs on `backend` run as; None when they run as this process's own user (it is not
+    root, or its server was told `--job-user root`), or as the engine's."""
+    if os.geteuid() != 0 or backend not in RUNS_AS_ACCOUNT:
         return None
     by_owner: dict[str, str] = json.loads(environ.get(JOB_USERS_ENV) or "{}")
     name = by_owner.get(owner) or environ.get(JOB_USER_ENV)

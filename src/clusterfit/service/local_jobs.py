@@ -12,6 +12,7 @@ from typing import Any
 
 from clusterfit.errors import ClusterfitError, SpecError
 from clusterfit.outputs import JobOutputs, read_heartbeats
+from clusterfit.service.accounts import job_account
 from clusterfit.service.jobs import Refused, ServiceError
 from clusterfit.service.logview import read_logs
 from clusterfit.service.records import forget_secrets, outputs_url, record_job, spec_of
@@ -30,17 +31,23 @@ def local_user() -> str:
     return os.environ.get("USER") or os.environ.get("LOGNAME") or str(os.getuid())
 
 
-def checked_spec(load: Callable[[], JobSpec], placed: Callable[[JobSpec], JobSpec] | None = None) -> JobSpec:
+def checked_spec(
+    load: Callable[[], JobSpec], placed: Callable[[JobSpec], JobSpec] | None = None, owner: str | None = None
+) -> JobSpec:
     """The spec `load` reads (from a file or from text), its relative paths settled by `placed` if given (a job
     run in the foreground reads them from the current folder as they are), validated and
     preflighted here: its data is there and its outputs folder fits. Any problem, reading included, is one line:
     a refusal, or, when the data's store did not answer, an error that submitting again later may not meet (503,
-    exit code 1)."""
+    exit code 1). A job the server will run as `owner`'s account has its data checked with that account's rights."""
     try:
         spec = load() if placed is None else placed(load())
-        from clusterfit.launch import preflight  # the data checks: imported only once the spec itself is valid
+        from clusterfit.launch import preflight, preflight_as  # imported only once the spec itself is valid
 
-        preflight(spec)
+        account = job_account(owner, spec.resources.backend) if owner is not None else None
+        if account is None:
+            preflight(spec)
+        else:
+            preflight_as(account, spec)
     except ClusterfitError as exc:
         if exc.retryable:
             raise ServiceError(str(exc), exit_code=1) from None
@@ -80,7 +87,9 @@ class LocalJobs:
     ) -> dict[str, Any]:
         """A job file's text as a client sent it (its paths are this machine's), queued for `owner`;
         `commands`: whether this submitter may run a command job (its own program) here."""
-        spec = checked_spec(lambda: load_spec_text(text, overrides, source=source), without_relative_paths(source))
+        spec = checked_spec(
+            lambda: load_spec_text(text, overrides, source=source), without_relative_paths(source), owner
+        )
         if spec.command is not None and not commands:
             raise Refused(
                 f"{source}: command: jobs need an admin token on this server, or the server started with "

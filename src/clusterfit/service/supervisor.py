@@ -21,7 +21,7 @@ from clusterfit.backends import RunHandle, get_backend
 from clusterfit.backends.job_folder import JobAccount
 from clusterfit.errors import ClusterfitError
 from clusterfit.files import open_beneath
-from clusterfit.launch import preflight
+from clusterfit.launch import preflight, preflight_as
 from clusterfit.outputs import (
     ATTEMPT_ENV,
     JobOutputs,
@@ -34,7 +34,7 @@ from clusterfit.outputs import (
 )
 from clusterfit.outputs.layout import CHECKPOINT_DIR, LOG_DIR, SUPERVISOR_LOG, rank_log_name
 from clusterfit.processes import process_start_time
-from clusterfit.service.accounts import hand_over, job_account, make_outputs_folder, refuse_links
+from clusterfit.service.accounts import RUNS_AS_ACCOUNT, hand_over, job_account, make_outputs_folder, refuse_links
 from clusterfit.service.causes import (
     Failure,
     classify,
@@ -65,9 +65,6 @@ class Outcome(enum.Enum):
 # Engines whose nodes each work in a folder of their own when the outputs are at a URL (Ray's actors, Kubernetes
 # pods); on the others (local, Slurm) the workers write the folder this process sees.
 _OWN_FOLDERS = ("ray", "kubernetes", "slurm")
-# Engines that start a job from this process, and so with its environment and user: a job of a root server
-# runs there as its account (service/accounts.py).
-_RUN_AS_ACCOUNT = ("local", "slurm")
 
 
 def this_supervisor() -> dict[str, str]:
@@ -120,8 +117,7 @@ class Supervisor:
         try:
             spec = spec_of(job)
             url = outputs_url(job)
-            self.account = job_account(job.owner) if self.confined else None
-            account = self.account if spec.resources.backend in _RUN_AS_ACCOUNT else None
+            self.account = account = job_account(job.owner, spec.resources.backend) if self.confined else None
             if account is not None:
                 make_outputs_folder(Path(spec.outputs.dir), account)
             # On Kubernetes a folder outputs.dir is the cluster's volume, not here.
@@ -137,7 +133,11 @@ class Supervisor:
                 self._restore(mirror)  # a fresh machine resumes where the store's copy ends
                 if account is not None:
                     hand_over(Path(spec.outputs.dir), account)
-            preflight(spec)  # again: data can vanish while a job waits in the queue
+            # Again: data can vanish while a job waits in the queue.
+            if account is None:
+                preflight(spec)
+            else:
+                preflight_as(account, spec)
         except ClusterfitError as exc:
             if mirror is not None:
                 mirror.release()
@@ -193,7 +193,7 @@ class Supervisor:
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
             options: dict[str, Any] = {} if outputs_store is None else {"outputs_store": outputs_store}
-            if self.confined and backend.name in _RUN_AS_ACCOUNT:
+            if self.confined and backend.name in RUNS_AS_ACCOUNT:
                 options.update(confined=True, account=self.account)
             handle = backend.submit(spec, **options)  # type: ignore[call-arg]
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
@@ -390,7 +390,7 @@ def _open_log(job: Job) -> int:
     """The supervisor's log in the job's folder, opened without following a link a job could have planted
     there; /dev/null when the folder is refused (the first attempt then fails with the reason)."""
     outputs = JobOutputs.at(job.outputs_dir)
-    account = job_account(job.owner) if job.backend in _RUN_AS_ACCOUNT else None
+    account = job_account(job.owner, job.backend)
     try:
         if account is not None:
             make_outputs_folder(outputs.root, account)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterfit.errors import ClusterfitError, OutputsInUse
+from clusterfit.files import open_beneath
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import (
     MANIFEST,
@@ -298,8 +299,7 @@ class OutputsMirror:
         found = []
         for path in sorted(self.outputs.root.rglob("*")):
             rel = path.relative_to(self.outputs.root)
-            # A link is never followed: a job's link to a file it may not read must not reach the store.
-            if path.is_symlink() or not path.is_file() or rel.parts[0] in _NOT_MIRRORED:
+            if not path.is_file() or rel.parts[0] in _NOT_MIRRORED:
                 continue
             if rel.parts[0] == CHECKPOINT_DIR and len(rel.parts) > 2:
                 continue
@@ -311,12 +311,18 @@ class OutputsMirror:
     def _upload_if_changed(self, path: Path, moved: Transfer) -> bool:
         rel = path.relative_to(self.outputs.root).as_posix()
         try:
-            stat = path.stat()
-        except FileNotFoundError:
-            return False  # rotated away meanwhile
-        if self._sent.get(rel) == (stat.st_size, stat.st_mtime_ns):
-            return False
-        self.fs.put_file(str(path), f"{self.root}/{rel}")
+            # NOTE: opened once, without following a link below the folder, and uploaded through that descriptor:
+            # a job that swaps a file for a link to one it may not read, after a check by name, gains nothing.
+            fd = open_beneath(self.outputs.root, rel, os.O_RDONLY)
+        except OSError:
+            return False  # rotated away meanwhile; or a link, or not a file, which is never uploaded
+        try:
+            stat = os.fstat(fd)
+            if self._sent.get(rel) == (stat.st_size, stat.st_mtime_ns):
+                return False
+            self.fs.put_file(f"/proc/self/fd/{fd}", f"{self.root}/{rel}")
+        finally:
+            os.close(fd)
         self._sent[rel] = (stat.st_size, stat.st_mtime_ns)
         moved.files, moved.bytes = moved.files + 1, moved.bytes + stat.st_size
         if self.on_file is not None:
@@ -334,9 +340,7 @@ class OutputsMirror:
             stat = manifest.stat()  # pushed by an earlier supervisor of this job, or pulled from the store
             self._sent[rel_manifest] = (stat.st_size, stat.st_mtime_ns)
             return False
-        if checkpoint.is_symlink():
-            return False
-        for path in sorted(p for p in checkpoint.rglob("*") if p.is_file() and not p.is_symlink() and p != manifest):
+        for path in sorted(p for p in checkpoint.rglob("*") if p.is_file() and p != manifest):
             self._upload_if_changed(path, moved)
         return self._upload_if_changed(manifest, moved)
 
