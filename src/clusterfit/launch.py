@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from clusterfit.backends.job_env import job_env
 from clusterfit.backends.job_folder import JobAccount
 from clusterfit.backends.local import local_gpu_count
 from clusterfit.backends.mpi import launched_by_mpirun, require_mpirun
@@ -79,7 +80,7 @@ def preflight_as(account: JobAccount, spec: JobSpec) -> None:
         input=resolved_spec_text(spec),
         capture_output=True,
         text=True,
-        **account.helper_options(storage_secret_env(spec)),
+        **account.helper_options(job_env(spec.outputs.dir, storage_secret_env(spec))),
     )
     if done.returncode == 0:
         return

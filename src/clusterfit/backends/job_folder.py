@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from clusterfit.backends.job_env import job_base_env
 from clusterfit.errors import SpecError
 from clusterfit.files import write_atomically
 from clusterfit.outputs.layout import CODE_DIR, LOG_DIR
@@ -43,12 +44,11 @@ class JobAccount:
         """subprocess arguments that start a process as this account, without the starter's groups."""
         return {"user": self.uid, "group": self.gid, "extra_groups": []}
 
-    def helper_options(self, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """Those of a short helper of the launcher's run as this account: from /, with a bare environment (and
-        `env`, the job's own), since another process of the account could read the launcher's (a server's
-        database URL) from it."""
-        bare = {"PATH": "/usr/bin:/bin", "LC_ALL": "C", "PYTHONUTF8": "1"}
-        return {**self.process_options(), "cwd": "/", "env": {**bare, **(env or {})}}
+    def helper_options(self, env: Mapping[str, str]) -> dict[str, Any]:
+        """Those of a short helper of the launcher's run as this account, from /, with `env`: the job's own
+        (backends/job_env.py), never the launcher's, which another process of the account could read from it
+        (a server's database URL). Its messages in plain ASCII."""
+        return {**self.process_options(), "cwd": "/", "env": {**env, "LC_ALL": "C", "PYTHONUTF8": "1"}}
 
 
 def copy_code(code: Path, outputs_dir: Path) -> None:
@@ -75,8 +75,9 @@ def prepare_as(account: JobAccount, code: Path | None, outputs_dir: Path, files:
     command = [sys.executable, "-m", "clusterfit.backends.job_folder", str(outputs_dir)]
     if code is not None:
         command += ["--code", str(code)]
+    env = job_base_env(outputs_dir)
     done = subprocess.run(
-        command, input=json.dumps(dict(files)), capture_output=True, text=True, **account.helper_options()
+        command, input=json.dumps(dict(files)), capture_output=True, text=True, **account.helper_options(env)
     )
     if done.returncode != 0:
         why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]

@@ -18,6 +18,7 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
+from clusterfit.backends.job_env import job_base_env
 from clusterfit.backends.job_folder import JobAccount
 from clusterfit.errors import EngineError, SpecError
 from clusterfit.outputs.layout import LOG_DIR
@@ -63,7 +64,7 @@ def make_outputs_folder(folder: Path, account: JobAccount) -> None:
         ["mkdir", "-p", "--", str(folder), str(folder / LOG_DIR)],
         capture_output=True,
         text=True,
-        **account.helper_options(),
+        **account.helper_options(job_base_env(folder)),
     )
     if made.returncode != 0:
         why = (made.stderr.strip().splitlines() or ["mkdir failed"])[-1].removeprefix("mkdir: ")
