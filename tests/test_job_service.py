@@ -19,6 +19,7 @@ from clusterfit.outputs import (
     MetricsWriter,
     RankBeat,
     RecordKind,
+    clear_heartbeats,
     read_heartbeats,
     write_heartbeat,
 )
@@ -137,6 +138,14 @@ def test_a_job_s_file_that_is_a_link_is_not_read_through(tmp_path: Path) -> None
         path.symlink_to(secret_json)
     assert read_records(outputs.metrics) == [] and last_record(outputs.metrics, RecordKind.TRAIN) is None
     assert follower.read_new() == [] and read_summary(outputs) is None and read_heartbeats(outputs) == {}
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "rank-0.json").write_text("{}")
+    for path in outputs.heartbeats.iterdir():
+        path.unlink()
+    outputs.heartbeats.rmdir()
+    outputs.heartbeats.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    clear_heartbeats(outputs)  # before an attempt, as root: nothing outside the folder is deleted
+    assert (tmp_path / "elsewhere" / "rank-0.json").exists()
 
 
 # --- both implementations ----------------------------------------------------------------------------------

@@ -271,6 +271,8 @@ def test_links_a_job_plants_in_its_folder_do_not_steer_the_server(
         "or another kind of file is refused); remove it, or give another folder"
     )
     assert target.read_text() == "root's\n" and target.stat().st_uid == 0
+    supervisor_log = out / "logs" / "supervisor.log"  # the planted link gave way to the supervisor's own log
+    assert not supervisor_log.is_symlink() and f"job {steered['id']} ended FAILED" in supervisor_log.read_text()
 
 
 def test_each_owner_s_jobs_run_as_the_owner_s_account(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -35,8 +36,6 @@ class JobAccount:
     @classmethod
     def named(cls, name: str) -> JobAccount:
         """KeyError when this machine has no such account."""
-        import pwd
-
         entry = pwd.getpwnam(name)
         return cls(name, entry.pw_uid, entry.pw_gid)
 

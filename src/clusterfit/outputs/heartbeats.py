@@ -3,11 +3,14 @@ by the job service (progress, RUNNING, hang detection, per-rank health) for any 
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import fnmatch
 import json
+import os
 from dataclasses import asdict, dataclass
 
-from clusterfit.files import read_regular, write_atomically
+from clusterfit.files import open_beneath, read_regular, write_atomically
 from clusterfit.outputs.layout import JobOutputs
 
 
@@ -72,6 +75,15 @@ def read_heartbeats(outputs: JobOutputs, attempt: int | None = None) -> dict[int
 
 
 def clear_heartbeats(outputs: JobOutputs) -> None:
-    folder = outputs.heartbeats
-    for path in folder.glob("rank-*.json") if folder.is_dir() else []:
-        path.unlink(missing_ok=True)
+    """Before an attempt: the last attempt's heartbeats go. The folder is opened without following a link (a
+    root job service clears the folders of jobs that run as other accounts)."""
+    try:
+        folder = open_beneath(outputs.root, outputs.heartbeats.name, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return  # none yet, or not a folder of the job's
+    try:
+        for name in fnmatch.filter(os.listdir(folder), "rank-*.json"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=folder)
+    finally:
+        os.close(folder)

@@ -388,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _open_log(job: Job) -> int:
     """The supervisor's log in the job's folder, opened without following a link a job could have planted
-    there; /dev/null when the folder is refused (the first attempt then fails with the reason)."""
+    there (such a link is removed); /dev/null when the folder is refused (the first attempt then fails with
+    the reason)."""
     outputs = JobOutputs.at(job.outputs_dir)
     account = job_account(job.owner, job.backend)
     try:
@@ -396,8 +397,16 @@ def _open_log(job: Job) -> int:
             make_outputs_folder(outputs.root, account)
         else:
             outputs.logs.mkdir(parents=True, exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-        return open_beneath(outputs.root, f"{LOG_DIR}/{SUPERVISOR_LOG}", flags, owner=account.uid if account else None)
+        flags, owner = os.O_WRONLY | os.O_CREAT | os.O_APPEND, account.uid if account else None
+        try:
+            return open_beneath(outputs.root, f"{LOG_DIR}/{SUPERVISOR_LOG}", flags, owner=owner)
+        except OSError:  # a link in its place, which a job made: the log is the supervisor's, made anew
+            logs = open_beneath(outputs.root, LOG_DIR, os.O_RDONLY | os.O_DIRECTORY, owner=owner)
+            try:
+                os.unlink(SUPERVISOR_LOG, dir_fd=logs)
+            finally:
+                os.close(logs)
+            return open_beneath(outputs.root, f"{LOG_DIR}/{SUPERVISOR_LOG}", flags, owner=owner)
     except (ClusterfitError, OSError):
         return os.open(os.devnull, os.O_WRONLY)
 
