@@ -28,6 +28,7 @@ from test_command_jobs import (
 from test_scoring import assert_every_good_image_scored_once, scoring_job
 from test_session import ended, final_values, session_job, submit
 
+from clusterfit.backends.job_folder import JobAccount
 from clusterfit.backends.slurm import SCRIPT, SlurmBackend, sbatch_script
 from clusterfit.errors import SpecError
 from clusterfit.outputs import JobOutputs, read_heartbeats
@@ -75,6 +76,15 @@ def test_with_outputs_at_a_url_each_task_runs_its_agent_under_its_node_s_copy(tm
     command_job = {**job, "trainer": None, "command": "python train.py", "distribution": {"type": "mpi"}}
     with pytest.raises(SpecError, match=r"^outputs.dir = 'az://outputs/runs/tiny': an mpi job on Slurm starts"):
         SlurmBackend().dry_run(validate_spec(command_job))
+
+
+def test_a_root_job_service_runs_no_slurm_job_with_outputs_at_a_url_as_another_account(tmp_path: Path) -> None:
+    job = tiny_job(tmp_path / "copy")
+    job["resources"] = {"instance_count": 1, "backend": "slurm"}
+    nobody = JobAccount.named("nobody")
+    with pytest.raises(SpecError, match=r"^outputs.dir = 'az://outputs/runs/tiny': this job service runs Slurm jobs"):
+        SlurmBackend().submit(validate_spec(job), confined=True, account=nobody, outputs_store="az://outputs/runs/tiny")
+    assert not (tmp_path / "copy").exists()
 
 
 @pytest.fixture(scope="module")

@@ -229,6 +229,14 @@ class SlurmBackend:
         that account's, and the batch script reaches sbatch from memory. `outputs_store`: the URL of the job's
         outputs, whose launcher's copy `spec.outputs.dir` is; each node then works in a folder of its own,
         filled from the store."""
+        if account is not None and outputs_store is not None:
+            # NOTE: the launcher's copy, which this root process reads the nodes' files back into, would be the
+            # account's: a link the job made there would take those writes anywhere.
+            raise SpecError(
+                f"outputs.dir = {public(outputs_store)!r}: this job service runs Slurm jobs with outputs at a URL "
+                f"only as its own user, not as {account.name}; give outputs.dir a folder on the cluster's shared "
+                "filesystem"
+            )
         if shutil.which("sbatch") is None:
             raise EngineError(
                 "resources.backend = 'slurm' but sbatch is not on PATH; run on a Slurm login node", retryable=False
