@@ -21,20 +21,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import clusterfit
+from clusterfit.backends.job_env import job_base_env
+from clusterfit.backends.job_folder import JobAccount
 
 
 def runs_python(python: str, account: str) -> bool:
-    entry = pwd.getpwnam(account)
     try:
         subprocess.run(
             [python, "-c", "import clusterfit, torch"],
-            user=entry.pw_uid,
-            group=entry.pw_gid,
-            extra_groups=[],
             capture_output=True,
             check=True,
             timeout=120,
-            cwd="/",
+            **JobAccount.named(account).helper_options(job_base_env("/")),
         )
     except (OSError, subprocess.SubprocessError):
         return False

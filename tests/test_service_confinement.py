@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import yaml
+from conftest import tiny_job
 from job_accounts import python_for, runs_python, throwaway_account
 from service_server import ServerProcess, client
 
@@ -196,20 +197,6 @@ def test_a_job_user_that_cannot_run_jobs_is_refused_at_start(tmp_path: Path) -> 
     )
 
 
-def _trainer_job(out_dir: Path) -> dict[str, Any]:
-    return {
-        "name": "tiny",
-        "trainer": {
-            "model": "resnet_tiny",
-            "data": {"train": "synthetic", "image_size": 32, "num_classes": 10},
-            "epochs": 1,
-        },
-        "distribution": {"type": "pytorch", "process_count_per_instance": 1},
-        "resources": {"instance_count": 1, "backend": "local"},
-        "outputs": {"dir": str(out_dir)},
-    }
-
-
 def test_a_job_is_never_handed_a_folder_it_does_not_own(served: Served, reachable: Path, as_nobody: None) -> None:
     """Replayed: a `submit` token's trainer job with `outputs.dir` at a folder of root's. The server used to give
     the job account the whole folder (`chown -R`), root's secret in it too; with `/etc`, all of /etc."""
@@ -219,8 +206,8 @@ def test_a_job_is_never_handed_a_folder_it_does_not_own(served: Served, reachabl
     secret.write_text("root's only\n")
     secret.chmod(0o600)
     with client(served.server.url, served.token("submit", "mallory")) as http:
-        taken = http.post("/api/jobs", json=_spec(_trainer_job(victim))).json()
-        below = http.post("/api/jobs", json=_spec(_trainer_job(victim / "below"))).json()
+        taken = http.post("/api/jobs", json=_spec(tiny_job(victim))).json()
+        below = http.post("/api/jobs", json=_spec(tiny_job(victim / "below"))).json()
     assert served.wait_final(taken["id"]) == "FAILED"
     assert served.failure(taken["id"]) == (
         f"BAD_SPEC: outputs.dir {victim} belongs to root, not to nobody, the account this job runs as; give a new "
@@ -373,8 +360,7 @@ def test_a_job_s_data_is_checked_with_its_account_s_rights(served: Served, reach
     answers = {}
     with client(served.server.url, served.token("submit", "mallory")) as http:
         for name in ("cats", "dogs"):
-            job = _trainer_job(reachable / "out")
-            job["trainer"]["data"] = {"train": str(private / name), "image_size": 32}
+            job = tiny_job(reachable / "out", data={"train": str(private / name), "num_classes": None})
             answers[name] = http.post("/api/jobs", json=_spec(job))
     assert [answer.status_code for answer in answers.values()] == [422, 422]
     said = {name: answer.json()["detail"].replace(name, "NAME") for name, answer in answers.items()}

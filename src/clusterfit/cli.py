@@ -370,24 +370,24 @@ def _owner_accounts(pairs: list[str]) -> dict[str, str]:
 def _job_account_differs(named_by: str, job_user: str) -> bool:
     """Whether a root server's jobs run as another account than the server's: `job_user` must then exist
     and be able to start this Python with clusterfit (checked now, not at each job's start)."""
-    import pwd
     import subprocess
 
+    from clusterfit.backends.job_env import job_base_env
+    from clusterfit.backends.job_folder import JobAccount
+
     try:
-        account = pwd.getpwnam(job_user)
+        account = JobAccount.named(job_user)
     except KeyError:
         raise _fail(f"{named_by}: no such account on this machine; create it or name another") from None
-    if account.pw_uid == os.geteuid():
+    if account.uid == os.geteuid():
         return False
     try:
         subprocess.run(
             [sys.executable, "-c", "import clusterfit"],
-            user=account.pw_uid,
-            group=account.pw_gid,
-            extra_groups=[],
             capture_output=True,
             check=True,
             timeout=60,
+            **account.helper_options(job_base_env("/")),
         )
     except (OSError, subprocess.SubprocessError):
         raise _fail(

@@ -68,6 +68,23 @@ def copy_code(code: Path, outputs_dir: Path) -> None:
     os.replace(staging, target)
 
 
+def put_job_files(outputs_dir: Path, code: str | None, files: Mapping[str, str], account: JobAccount | None) -> None:
+    """The job's code (a copy), its rendered files and its logs folder, in its outputs folder: written by this
+    process, or, with `account`, by a process of that account's (SpecError naming what it could not do)."""
+    if account is not None:
+        prepare_as(account, code and Path(code), outputs_dir, files)
+        return
+    if code is not None:
+        copy_code(Path(code), outputs_dir)
+    _write_rendered(outputs_dir, files)
+
+
+def _write_rendered(outputs_dir: Path, files: Mapping[str, str]) -> None:
+    for path, content in files.items():
+        write_atomically(Path(path), content)
+    (outputs_dir / LOG_DIR).mkdir(parents=True, exist_ok=True)
+
+
 def prepare_as(account: JobAccount, code: Path | None, outputs_dir: Path, files: Mapping[str, str]) -> None:
     """Copy the job's code into its outputs, write its rendered files and make its logs folder, all as
     `account`; SpecError naming what the account could not do."""
@@ -96,9 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"code: {_reason(exc)}", file=sys.stderr)
         return 2
     try:
-        for path, content in files.items():
-            write_atomically(Path(path), content)
-        (args.outputs_dir / LOG_DIR).mkdir(parents=True, exist_ok=True)
+        _write_rendered(args.outputs_dir, files)
     except OSError as exc:
         print(f"outputs.dir {args.outputs_dir}: {_reason(exc)}", file=sys.stderr)
         return 2

@@ -13,19 +13,18 @@ from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
-from clusterfit.backends.job_folder import JobAccount, prepare_as
+from clusterfit.backends.job_folder import JobAccount, put_job_files
 from clusterfit.backends.mpi import launched_by_mpirun, mpi_launch_env, mpirun_command, require_mpirun
 from clusterfit.backends.torchrun import (
     as_launched,
     resolved_spec_file,
-    ship_code,
     storage_secret_env,
     threads_per_worker,
     torchrun_command,
     worker_env,
 )
 from clusterfit.errors import SpecError
-from clusterfit.files import open_beneath, write_atomically
+from clusterfit.files import open_beneath
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
@@ -69,13 +68,7 @@ class LocalBackend:
         goes there is then written by a process of that account's (backends/job_folder.py)."""
         rendered = self.dry_run(spec)
         outputs = JobOutputs.at(spec.outputs.dir)
-        if account is None:
-            ship_code(spec)
-            for path, content in rendered.files.items():
-                write_atomically(Path(path), content)
-            outputs.logs.mkdir(parents=True, exist_ok=True)
-        else:
-            prepare_as(account, spec.code and Path(spec.code), outputs.root, rendered.files)
+        put_job_files(outputs.root, spec.code, rendered.files, account)
         if confined:
             env = job_env(outputs.root, rendered.env, rendered.secret_env)
         else:

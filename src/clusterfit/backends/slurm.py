@@ -21,20 +21,18 @@ from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
-from clusterfit.backends.job_folder import JobAccount, prepare_as
+from clusterfit.backends.job_folder import JobAccount, put_job_files
 from clusterfit.backends.mpi import find_mpirun, launched_by_mpirun, mpirun_command
 from clusterfit.backends.node_copy import node_copy_command
 from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import (
     as_launched,
     resolved_spec_file,
-    ship_code,
     storage_secret_env,
     torchrun_command,
     worker_env,
 )
 from clusterfit.errors import EngineError, SpecError
-from clusterfit.files import write_atomically
 from clusterfit.outputs import JobOutputs
 from clusterfit.spec.model import JobSpec
 from clusterfit.storage.filesystems import Credentials, credentials, public
@@ -244,13 +242,8 @@ class SlurmBackend:
         rendered = self.dry_run(spec, outputs_store, workdir=spec.outputs.dir if confined else None)
         launcher_copy = JobOutputs.at(Path(spec.outputs.dir).resolve())
         command, script = rendered.command, None
-        if account is None:
-            ship_code(spec)
-            for path, content in rendered.files.items():
-                write_atomically(Path(path), content)
-            launcher_copy.logs.mkdir(parents=True, exist_ok=True)
-        else:
-            prepare_as(account, spec.code and Path(spec.code), launcher_copy.root, rendered.files)
+        put_job_files(launcher_copy.root, spec.code, rendered.files, account)
+        if account is not None:
             # NOTE: root reads nothing back that the account wrote (the script could now be a link to any file).
             script = rendered.files[str(Path(spec.outputs.dir) / SCRIPT)]
             command = [*command[:-1], f"--uid={account.uid}", f"--gid={account.gid}"]
