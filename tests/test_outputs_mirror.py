@@ -244,6 +244,35 @@ def test_a_push_follows_no_link_a_job_made_in_its_folder(tmp_path: Path) -> None
     assert not [name for name in stored if name in linked or name.startswith(("stolen", "checkpoints/step-00000009"))]
 
 
+def test_a_pull_writes_nothing_through_a_link_swapped_in_after_the_check(tmp_path: Path) -> None:
+    """A root job service pulls the store's copy into the folder of a job that runs as another account, whose
+    other jobs could swap a folder there for a link (`checkpoints -> /etc/cron.d`) just after each name is
+    checked: nothing may land behind the link."""
+    outputs = JobOutputs.at(tmp_path / "job")
+    outputs.logs.mkdir(parents=True)
+    (outputs.logs / "rank-0.log").write_text("trained\n")
+    _checkpoint(outputs, 2)
+    OutputsMirror(outputs, "memory://job-pull-links", Credentials()).push()
+    for top in ("logs", "checkpoints"):
+        fresh = JobOutputs.at(tmp_path / f"fresh-{top}")
+        (fresh.root / top).mkdir(parents=True)
+        elsewhere = tmp_path / f"elsewhere-{top}"
+        elsewhere.mkdir()
+        mirror = OutputsMirror(fresh, "memory://job-pull-links", Credentials())
+        checked = mirror._refuse_outside
+
+        def swap_after_the_check(rel: str, local: Path, top: str = top, checked=checked, fresh=fresh) -> None:
+            checked(rel, local)
+            if not (fresh.root / top).is_symlink():  # the race won, once
+                (fresh.root / top).rename(fresh.root / f"{top}.moved")
+                (fresh.root / top).symlink_to(tmp_path / f"elsewhere-{top}", target_is_directory=True)
+
+        mirror._refuse_outside = swap_after_the_check  # type: ignore[method-assign]
+        with pytest.raises(StorageError):
+            mirror.pull()
+        assert not list(elsewhere.iterdir()), top
+
+
 def test_a_node_s_agent_runs_between_its_folder_filled_from_the_store_and_its_last_copy_to_it(tmp_path: Path) -> None:
     """`python -m clusterfit.backends.node_copy` (a Kubernetes pod's command): the agent finds the store's files,
     what it writes reaches the store while it runs and after it ends, its exit code is the wrapper's, and the

@@ -4,6 +4,7 @@ in a folder that another, unprivileged account controls, without being steered o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import threading
@@ -51,26 +52,43 @@ def read_text_or_none(path: Path) -> str | None:
         return None
 
 
-def open_beneath(folder: Path, relative: str, flags: int, mode: int = 0o600, *, owner: int | None = None) -> int:
-    """A descriptor of `folder/relative`, reached without following a symbolic link below `folder`, and only if
-    it is a regular file (or a folder, with os.O_DIRECTORY in `flags`).
+def folder_beneath(folder: Path, relative: str, *, make: bool = False, owner: int | None = None) -> int:
+    """A descriptor of the folder `folder/relative` (`.` for `folder`), reached without following a symbolic link
+    below `folder`; with `make`, the missing folders on the way are made.
 
     For a privileged process in a folder an unprivileged account can change (a root job service's job folder):
     a link the account planted (`logs -> /etc`) would steer a plain open() to a file the account may not touch.
     `owner`: the uid `folder` must belong to (checked on the folder actually opened, not on its name)."""
-    parts = Path(relative).parts
-    if not parts or any(part in ("", ".", "..") for part in parts) or Path(relative).is_absolute():
+    relative_path = Path(relative)
+    if relative_path.is_absolute() or ".." in relative_path.parts:
         raise ValueError(f"{relative!r}: not a plain path inside a folder")
     dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         if owner is not None and os.fstat(dir_fd).st_uid != owner:
             raise PermissionError(f"{folder} does not belong to uid {owner}")
-        for part in parts[:-1]:
+        for part in relative_path.parts:
+            if make:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o777, dir_fd=dir_fd)
             next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
             os.close(dir_fd)
             dir_fd = next_fd
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd
+
+
+def open_beneath(folder: Path, relative: str, flags: int, mode: int = 0o600, *, owner: int | None = None) -> int:
+    """A descriptor of `folder/relative`, reached as `folder_beneath` reaches a folder, and only if it is a
+    regular file (or a folder, with os.O_DIRECTORY in `flags`)."""
+    parent, name = os.path.split(relative)
+    if name in ("", ".", ".."):
+        raise ValueError(f"{relative!r}: not a plain path inside a folder")
+    dir_fd = folder_beneath(folder, parent or ".", owner=owner)
+    try:
         # NOTE: O_NONBLOCK: a FIFO in place of the file must not block this process for ever.
-        fd = os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
     finally:
         os.close(dir_fd)
     kind = os.fstat(fd).st_mode

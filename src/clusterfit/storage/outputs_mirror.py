@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from clusterfit.errors import ClusterfitError, OutputsInUse
-from clusterfit.files import open_beneath
+from clusterfit.files import folder_beneath, open_beneath
 from clusterfit.outputs import JobOutputs
 from clusterfit.outputs.checkpoints import (
     MANIFEST,
@@ -373,10 +373,20 @@ class OutputsMirror:
 
     def _download(self, rel: str, local: Path, moved: Transfer, size: int) -> None:
         self._refuse_outside(rel, local)
-        local.parent.mkdir(parents=True, exist_ok=True)
-        part = local.with_name(local.name + ".part")
-        self.fs.get_file(f"{self.root}/{rel}", str(part))
-        os.replace(part, local)
+        # NOTE: through descriptors, never through a link below the folder: a root job service pulls into the
+        # folders of jobs that run as other accounts, which could swap a folder for a link meanwhile.
+        self.outputs.root.mkdir(parents=True, exist_ok=True)
+        parent = folder_beneath(self.outputs.root, local.parent.relative_to(self.outputs.root).as_posix(), make=True)
+        try:
+            part = f"{local.name}.part"
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666, dir_fd=parent)
+            try:
+                self.fs.get_file(f"{self.root}/{rel}", f"/proc/self/fd/{fd}")
+            finally:
+                os.close(fd)
+            os.replace(part, local.name, src_dir_fd=parent, dst_dir_fd=parent)
+        finally:
+            os.close(parent)
         moved.files, moved.bytes = moved.files + 1, moved.bytes + size
         if local.is_relative_to(self.outputs.root):  # the store's already: not uploaded back unless changed here
             stat = local.stat()
@@ -493,7 +503,11 @@ class OutputsMirror:
                 shutil.rmtree(tmp, ignore_errors=True)
                 moved.skipped.append(f"{name}: {problem}")
                 continue
-            os.replace(tmp, self.outputs.checkpoints / name)
+            folder = folder_beneath(self.outputs.root, CHECKPOINT_DIR)
+            try:
+                os.replace(tmp.name, name, src_dir_fd=folder, dst_dir_fd=folder)
+            finally:
+                os.close(folder)
             moved.checkpoints.append(name)
             return
 
