@@ -4,21 +4,29 @@ headers every answer carries, and where tokens may travel over plain HTTP (docs/
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli, tiny_job
+from conftest import run_cli, tiny_job, wait_for
 from service_server import ServerProcess, client
 
+from clusterfit.errors import DataError
 from clusterfit.service.api import SECURITY_HEADERS, FailedAuthentications, exposure_refusal
 from clusterfit.service.auth import issue_token
 from clusterfit.service.client import ServiceClient
 from clusterfit.service.jobs import ServiceError
+from clusterfit.service.local_jobs import SubmissionChecks
 from clusterfit.service.migrate import open_store
+from clusterfit.spec import load_spec_text
 
 
 class Served:
@@ -40,9 +48,12 @@ class Served:
         return open_store(self.store_url).count_jobs()
 
 
+CHECK_TIMEOUT_S = 8  # the guarded server's: a check takes about a second here, a hostile one forever
+
+
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    served = Served(tmp_path_factory.mktemp("guarded-home"))
+    served = Served(tmp_path_factory.mktemp("guarded-home"), "--check-timeout", str(CHECK_TIMEOUT_S))
     with served.server:
         yield served
 
@@ -95,6 +106,72 @@ def test_a_token_lifetime_past_ten_years_is_a_one_line_refusal(guarded: Served) 
             )
         assert http.post("/api/tokens", json={"scope": "read", "ttl": "9" * 5000 + "h"}).status_code == 422
         assert http.post("/api/tokens", json={"scope": "read", "ttl": "520w"}).status_code == 201
+
+
+# --- submissions whose check would never end ------------------------------------------------------------
+@contextmanager
+def silent_store() -> Iterator[tuple[int, list[socket.socket]]]:
+    """A loopback port that accepts connections and never answers, as a store behind a broken proxy does
+    (fsspec waited 5 minutes on it); the connections it accepted."""
+    accepted: list[socket.socket] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(0.2)
+
+        def accept() -> None:
+            while listener.fileno() != -1:
+                with contextlib.suppress(OSError):
+                    accepted.append(listener.accept()[0])
+
+        threading.Thread(target=accept, daemon=True).start()
+        yield listener.getsockname()[1], accepted
+    for connection in accepted:
+        connection.close()
+
+
+def test_a_data_check_that_never_ends_is_cut_off_and_holds_no_request(guarded: Served, tmp_path: Path) -> None:
+    before = guarded.count_jobs()
+    with silent_store() as (port, accepted), client(guarded.server.url, guarded.token("submit", "mallory")) as http:
+        job = tiny_job(tmp_path / "out")
+        job["trainer"]["data"] = {"train": f"http://127.0.0.1:{port}/imagenet/train", "image_size": 32}
+        spec = {"spec": yaml.safe_dump(job, sort_keys=False)}
+        started = time.monotonic()
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(http.post, "/api/jobs", json=spec) for _ in range(2)]
+            wait_for(lambda: len(accepted) >= 2, 30, "both checks to reach the silent store")
+            health_started = time.monotonic()
+            assert http.get("/api/health").status_code == 200
+            assert time.monotonic() - health_started < 2  # the checks hold none of the request threads
+            answered = [answer.result() for answer in answers]
+        took = time.monotonic() - started
+        for answer in answered:
+            assert answer.status_code == 503, answer.text
+            assert answer.json()["detail"] == (
+                f"checking the job's data did not end within {CHECK_TIMEOUT_S} s (a store or file system that "
+                "does not answer?); submit again once it answers"
+            )
+        assert took < 2 * CHECK_TIMEOUT_S + 10, took  # cut off at the timeout, not fsspec's 5 minutes
+        # The checks' processes are gone: the store sees each connection closed.
+        for connection in accepted:
+            connection.settimeout(10)  # socket.timeout fails the test: that process still holds it
+            while connection.recv(4096):  # the request the check sent, then the end of the connection
+                pass
+    assert guarded.count_jobs() == before
+
+
+def test_submissions_wait_for_a_free_check_no_longer_than_a_check_lasts(tmp_path: Path) -> None:
+    checks = SubmissionChecks(timeout_s=1, at_once=1)
+    job = tiny_job(tmp_path / "out")
+    job["outputs"] = {"dir": f"file://{tmp_path}/store", "cache_dir": str(tmp_path / "cache")}
+    spec = load_spec_text(yaml.safe_dump(job), source="job.yaml")
+    checks.check(spec, owner="alice")  # a real check of the store, in a process of its own
+    assert checks.slots.acquire(blocking=False)  # as a check that hangs holds it
+    try:
+        started = time.monotonic()
+        with pytest.raises(DataError, match=r"already checking 1 other submissions' data; submit again in a moment"):
+            checks.check(spec, owner="bob")
+        assert 1 <= time.monotonic() - started < 5
+    finally:
+        checks.slots.release()
 
 
 def test_failed_authentications_are_logged_and_limited_per_address(tmp_path: Path) -> None:

@@ -316,6 +316,12 @@ def server(
             "--allow-command-jobs", help="Let submit tokens run command: jobs (their own programs); admin tokens may."
         ),
     ] = False,
+    check_timeout: Annotated[
+        float,
+        typer.Option(
+            min=1, help="Seconds a submitted job's data check may take (a store that does not answer); then 503."
+        ),
+    ] = 30.0,
 ) -> None:
     """Serve the job service's HTTP API and web dashboard over the local store.
 
@@ -341,6 +347,7 @@ def server(
         max_body_bytes=max_body_bytes,
         behind_proxy=tls_terminated_elsewhere,
         allow_command_jobs=allow_command_jobs,
+        check_timeout_s=check_timeout,
     )
     by_owner = _owner_accounts(job_user_of or [])
     if os.geteuid() == 0:  # as anyone else, there are no root rights to drop

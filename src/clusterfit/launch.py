@@ -1,8 +1,9 @@
 """What the launcher checks before any worker starts. Imports no torch: submitting a job stays fast.
 
-A root job service checks a job's data with the rights of the account the job runs as (`preflight_as`, which
-runs `python -m clusterfit.launch` as that account): with root's, its answers would tell a submitter what is in
-folders only root may read."""
+A job service checks a submitted job's data in a process of its own (`preflight_apart`, which runs
+`python -m clusterfit.launch`), killed after a timeout: a request never waits on a store that does not answer.
+A root job service runs it as the account the job runs as: with root's rights, its answers would tell a
+submitter what is in folders only root may read."""
 
 from __future__ import annotations
 
@@ -73,22 +74,35 @@ def preflight(spec: JobSpec) -> None:
             )
 
 
-def preflight_as(account: JobAccount, spec: JobSpec) -> None:
-    """`preflight` run as `account`, raising what it raised there."""
-    done = subprocess.run(
-        [sys.executable, "-m", "clusterfit.launch"],
-        input=resolved_spec_text(spec),
-        capture_output=True,
-        text=True,
-        **account.helper_options(job_env(spec.outputs.dir, storage_secret_env(spec))),
-    )
+def preflight_apart(spec: JobSpec, account: JobAccount | None, timeout_s: float) -> None:
+    """`preflight` in a process of its own, as `account` if given, killed after `timeout_s`: raises what it
+    raised there, or a retryable DataError when it did not end in time (a store that accepts connections and
+    never answers held fsspec's calls for 5 minutes)."""
+    env = job_env(spec.outputs.dir, storage_secret_env(spec))
+    options = account.helper_options(env) if account is not None else {"cwd": "/", "env": env}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "clusterfit.launch"],
+            input=resolved_spec_text(spec),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            **options,
+        )
+    except subprocess.TimeoutExpired:
+        raise DataError(
+            f"checking the job's data did not end within {timeout_s:g} s (a store or file system that does not "
+            "answer?); submit again once it answers",
+            retryable=True,
+        ) from None
     if done.returncode == 0:
         return
     try:
         said = json.loads(done.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
         last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        raise SpecError(f"checking the job's data as the account {account.name} failed: {last}") from None
+        who = f"as the account {account.name}" if account is not None else "in a process of its own"
+        raise SpecError(f"checking the job's data {who} failed: {last}") from None
     if said["retryable"] or said["kind"] != "SpecError":
         raise DataError(said["message"], retryable=said["retryable"])
     raise SpecError(said["message"])

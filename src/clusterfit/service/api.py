@@ -47,7 +47,7 @@ from clusterfit.service.auth import (
     parse_ttl,
 )
 from clusterfit.service.jobs import Refused, ServiceError, parse_state
-from clusterfit.service.local_jobs import LocalJobs
+from clusterfit.service.local_jobs import LocalJobs, SubmissionChecks
 from clusterfit.service.records import forget_secrets_of_ended_jobs
 from clusterfit.service.scheduler import reconcile, schedule
 from clusterfit.service.store import ApiToken, JobStore
@@ -78,6 +78,8 @@ class ServerSettings:
     # A command job runs any program the submitter writes, as the job user, on this machine: a submit token
     # may ask for one only when the operator says so (`--allow-command-jobs`); admin tokens always may.
     allow_command_jobs: bool = False
+    # Longest a submitted job's data check may take (its helper is then killed and the answer is 503).
+    check_timeout_s: float = 30.0
 
 
 def exposure_refusal(host: str, *, auth: bool, tls: bool, tls_elsewhere: bool) -> str | None:
@@ -297,7 +299,7 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
     app.state.failed_authentications = FailedAuthentications(
         settings.auth_failures_allowed, settings.auth_failure_window_s
     )
-    jobs = LocalJobs(store, start_jobs=not settings.paused)
+    jobs = LocalJobs(store, start_jobs=not settings.paused, checks=SubmissionChecks(settings.check_timeout_s))
 
     # The last added runs first: headers on every answer, then the body limit, then (without tokens) Host/Origin.
     if not settings.auth:

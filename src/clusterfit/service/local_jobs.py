@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from clusterfit.errors import ClusterfitError, SpecError
+from clusterfit.errors import ClusterfitError, DataError, SpecError
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.service.accounts import job_account
 from clusterfit.service.jobs import Refused, ServiceError
@@ -21,7 +22,7 @@ from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import Job, JobNotFound, JobStore, StateConflict
 from clusterfit.service.views import job_details, job_row, job_status, metrics_series
 from clusterfit.spec import JobSpec, load_spec, load_spec_text
-from clusterfit.spec.model import anchored, submission_relative_paths
+from clusterfit.spec.model import anchored, is_url, named_places, submission_relative_paths
 from clusterfit.storage.filesystems import credentials
 from clusterfit.storage.outputs_mirror import OutputsMirror
 
@@ -31,23 +32,57 @@ def local_user() -> str:
     return os.environ.get("USER") or os.environ.get("LOGNAME") or str(os.getuid())
 
 
+@dataclass(frozen=True)
+class SubmissionChecks:
+    """How a server checks a submitted job's data. In this process when it reads only this machine's files with
+    the server's own rights; otherwise (a store to ask, or a job account's rights to check with) in a process of
+    its own, killed after `timeout_s`, at most `at_once` at a time, and a request waits for a free one no longer
+    than one lasts: hostile specs (data at an address that never answers) hold no request thread for long."""
+
+    timeout_s: float = 30.0
+    at_once: int = 4
+    slots: threading.BoundedSemaphore = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slots", threading.BoundedSemaphore(self.at_once))
+
+    def check(self, spec: JobSpec, owner: str) -> None:
+        from clusterfit.launch import preflight, preflight_apart
+
+        account = job_account(owner, spec.resources.backend)
+        if account is None and not any(is_url(place) for place in named_places(spec).values()):
+            preflight(spec)
+            return
+        if not self.slots.acquire(timeout=self.timeout_s):
+            raise DataError(
+                f"the server is already checking {self.at_once} other submissions' data; submit again in a moment",
+                retryable=True,
+            )
+        try:
+            preflight_apart(spec, account, self.timeout_s)
+        finally:
+            self.slots.release()
+
+
 def checked_spec(
-    load: Callable[[], JobSpec], placed: Callable[[JobSpec], JobSpec] | None = None, owner: str | None = None
+    load: Callable[[], JobSpec],
+    placed: Callable[[JobSpec], JobSpec] | None = None,
+    checks: SubmissionChecks | None = None,
+    owner: str = "",
 ) -> JobSpec:
     """The spec `load` reads (from a file or from text), its relative paths settled by `placed` if given (a job
     run in the foreground reads them from the current folder as they are), validated and
-    preflighted here: its data is there and its outputs folder fits. Any problem, reading included, is one line:
-    a refusal, or, when the data's store did not answer, an error that submitting again later may not meet (503,
-    exit code 1). A job the server will run as `owner`'s account has its data checked with that account's rights."""
+    preflighted: its data is there and its outputs folder fits; by `checks` for a server (as `owner`'s job),
+    else in this process. Any problem, reading included, is one line: a refusal, or, when the data's store did
+    not answer, an error that submitting again later may not meet (503, exit code 1)."""
     try:
         spec = load() if placed is None else placed(load())
-        from clusterfit.launch import preflight, preflight_as  # imported only once the spec itself is valid
-
-        account = job_account(owner, spec.resources.backend) if owner is not None else None
-        if account is None:
-            preflight(spec)
+        if checks is not None:
+            checks.check(spec, owner)
         else:
-            preflight_as(account, spec)
+            from clusterfit.launch import preflight  # imported only once the spec itself is valid
+
+            preflight(spec)
     except ClusterfitError as exc:
         if exc.retryable:
             raise ServiceError(str(exc), exit_code=1) from None
@@ -75,6 +110,7 @@ def without_relative_paths(source: str) -> Callable[[JobSpec], JobSpec]:
 class LocalJobs:
     store: JobStore
     start_jobs: bool = True  # False on a paused server: submissions are queued, none is started
+    checks: SubmissionChecks | None = None  # a server's; None: submissions of this machine's own user, checked here
 
     def submit(self, spec_file: Path, overrides: list[str] | None = None) -> dict[str, Any]:
         """A job file of this machine, queued for the user running the command; its relative paths are read
@@ -87,15 +123,18 @@ class LocalJobs:
     ) -> dict[str, Any]:
         """A job file's text as a client sent it (its paths are this machine's), queued for `owner`;
         `commands`: whether this submitter may run a command job (its own program) here."""
-        spec = checked_spec(
-            lambda: load_spec_text(text, overrides, source=source), without_relative_paths(source), owner
-        )
-        if spec.command is not None and not commands:
-            raise Refused(
-                f"{source}: command: jobs need an admin token on this server, or the server started with "
-                "--allow-command-jobs; use the built-in trainer (trainer:), or ask its operator",
-                403,
-            )
+
+        def placed(spec: JobSpec) -> JobSpec:
+            spec = without_relative_paths(source)(spec)
+            if spec.command is not None and not commands:  # refused before its data is looked at
+                raise Refused(
+                    f"{source}: command: jobs need an admin token on this server, or the server started with "
+                    "--allow-command-jobs; use the built-in trainer (trainer:), or ask its operator",
+                    403,
+                )
+            return spec
+
+        spec = checked_spec(lambda: load_spec_text(text, overrides, source=source), placed, self.checks, owner)
         return self.enqueue(spec, owner)
 
     def enqueue(self, spec: JobSpec, owner: str) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from clusterfit.backends import RunHandle, get_backend
 from clusterfit.backends.job_folder import JobAccount
 from clusterfit.errors import ClusterfitError
 from clusterfit.files import open_beneath
-from clusterfit.launch import preflight, preflight_as
+from clusterfit.launch import preflight, preflight_apart
 from clusterfit.outputs import (
     ATTEMPT_ENV,
     JobOutputs,
@@ -65,6 +65,9 @@ class Outcome(enum.Enum):
 # Engines whose nodes each work in a folder of their own when the outputs are at a URL (Ray's actors, Kubernetes
 # pods); on the others (local, Slurm) the workers write the folder this process sees.
 _OWN_FOLDERS = ("ray", "kubernetes", "slurm")
+# An attempt's check of its data, as the job's account, waits as long as a store's own timeouts (fsspec's 5
+# minutes) and a little more: only the job waits on it, and a store that did not answer may at the next attempt.
+_ATTEMPT_CHECK_TIMEOUT_S = 330.0
 
 
 def this_supervisor() -> dict[str, str]:
@@ -137,7 +140,7 @@ class Supervisor:
             if account is None:
                 preflight(spec)
             else:
-                preflight_as(account, spec)
+                preflight_apart(spec, account, _ATTEMPT_CHECK_TIMEOUT_S)
         except ClusterfitError as exc:
             if mirror is not None:
                 mirror.release()

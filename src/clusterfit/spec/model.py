@@ -762,11 +762,8 @@ def anchored(spec: JobSpec, base: Path) -> JobSpec:
     return spec
 
 
-def submission_relative_paths(spec: JobSpec) -> dict[str, str]:
-    """The spec's local paths that are relative to the folder it was submitted from, by field name. A Kubernetes
-    job's paths are places inside its pods (relative to the image's working folder), so it has none."""
-    if spec.resources.backend == "kubernetes":
-        return {}
+def named_places(spec: JobSpec) -> dict[str, str]:
+    """Every folder, file or URL the spec names, by field name."""
     fields: dict[str, str | None] = {"outputs.dir": spec.outputs.dir, "code": spec.code}
     if spec.trainer is not None:
         init = spec.trainer.init
@@ -777,10 +774,18 @@ def submission_relative_paths(spec: JobSpec) -> dict[str, str]:
         }
     if spec.scorer is not None:
         fields |= {"scorer.model_dir": spec.scorer.model_dir, "scorer.input": spec.scorer.input}
+    return {field: place for field, place in fields.items() if place and place != SYNTHETIC}
+
+
+def submission_relative_paths(spec: JobSpec) -> dict[str, str]:
+    """The spec's local paths that are relative to the folder it was submitted from, by field name. A Kubernetes
+    job's paths are places inside its pods (relative to the image's working folder), so it has none."""
+    if spec.resources.backend == "kubernetes":
+        return {}
     return {
         field: path
-        for field, path in fields.items()
-        if path and path != SYNTHETIC and not is_url(path) and not path.startswith("~") and not Path(path).is_absolute()
+        for field, path in named_places(spec).items()
+        if not is_url(path) and not path.startswith("~") and not Path(path).is_absolute()
     }
 
 
