@@ -257,6 +257,31 @@ def test_service_runs_a_submitted_ray_job_and_cancels_it(ray_cluster: RayCluster
     assert ray_cluster.placement_groups()[ref["id"]] == "REMOVED"
 
 
+def test_a_job_service_that_confines_its_jobs_refuses_ray_nodes_that_would_run_them_as_root(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    """The test cluster's daemons run as root (the tests do), as an operator's might. A root job service runs
+    its jobs as an unprivileged account (`nobody` by default, as here): its job must not start on Ray as root."""
+    assert os.geteuid() == 0, "the tests run as root; this one needs a root job service"
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.yaml", tiny_job(out, steps_per_epoch=None))
+    env = ray_cluster.client_env(CLUSTERFIT_JOB_USER="nobody")  # what `clusterfit server` passes its supervisors
+    submitted = subprocess.run(
+        cli_command("submit", str(job), *ON_RAY), env=env, capture_output=True, text=True, timeout=300
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    ended = wait_for(lambda: open_store().get(job_id).job_state.is_terminal and open_store().get(job_id), 180, "end")
+    assert ended.state == "FAILED"
+    assert ended.cause_detail.endswith(
+        "runs its jobs as root, and this job service runs its jobs as unprivileged accounts (--job-user): on Ray "
+        "this one would run as root. Start Ray's nodes as an unprivileged user, or submit to the local or Slurm "
+        "engine"
+    ), ended.cause_detail
+    assert not (out / "logs" / "rank-0.log").exists() and not _job_processes(out)
+    assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
+
+
 ELASTIC_STEPS = 400
 # A join takes 16 s on an idle machine, while one node alone trained the rest of the 400 steps in 20 s: rank 0
 # is made a straggler (a sleep after each step) so that the job outlasts a loss and a join on any machine.

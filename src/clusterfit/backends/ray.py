@@ -205,9 +205,10 @@ class RayBackend:
             placement=placement,
         )
 
-    def submit(self, spec: JobSpec, outputs_store: str | None = None) -> RayRun:
+    def submit(self, spec: JobSpec, outputs_store: str | None = None, refuse_root_nodes: bool = False) -> RayRun:
         """`outputs_store`: the URL of the job's outputs, whose local copy `spec.outputs.dir` is; each node then
-        works in a folder of its own, and the store is what they share."""
+        works in a folder of its own, and the store is what they share. `refuse_root_nodes`: a job of a root
+        server that runs its jobs as unprivileged accounts, which Ray's daemons must not start as root."""
         rendered = self.dry_run(spec)
         ray = _connect(cluster_address(spec))
         ship_code(spec)  # into outputs.dir, which every node sees, or which goes to the store for them:
@@ -260,6 +261,7 @@ class RayBackend:
                 cwd=os.getcwd(),
                 outputs_claim=read_text_or_none(JobOutputs.at(Path(spec.outputs.dir).resolve()).lock),
                 store=store,
+                refuse_root=refuse_root_nodes,
             )
             ray.get(
                 [
@@ -305,6 +307,7 @@ class AgentLaunch:
     cwd: str
     outputs_claim: str | None = None  # the launcher's lock in outputs.dir, which every node must see as it is
     store: NodeStore | None = None  # outputs at a URL: each node works in a folder of its own
+    refuse_root: bool = False  # a node whose daemons run as root refuses to start the job
 
     def start(self, actor: Any, node: int, place: NodePlace) -> Any:
         if self.store is None:
@@ -317,7 +320,9 @@ class AgentLaunch:
         command = node_command(
             spec, node, python=place.python, node_ip=place.ip, rdzv_endpoint=self.rdzv_endpoint, run_id=self.job_id
         )
-        return actor.start.remote(command, self.env, files, log_dir, self.cwd, claim, self.store, node)
+        return actor.start.remote(
+            command, self.env, files, log_dir, self.cwd, claim, self.store, node, self.refuse_root
+        )
 
 
 @dataclass
@@ -475,7 +480,15 @@ class NodeAgent:
         outputs_claim: str | None = None,
         store: NodeStore | None = None,
         node: int = 0,
+        refuse_root: bool = False,
     ) -> int:
+        if refuse_root and os.geteuid() == 0:
+            raise EngineError(
+                f"Ray node {self.where().ip} runs its jobs as root, and this job service runs its jobs as "
+                "unprivileged accounts (--job-user): on Ray this one would run as root. Start Ray's nodes as an "
+                "unprivileged user, or submit to the local or Slurm engine",
+                retryable=False,
+            )
         outputs = JobOutputs.at(Path(log_dir).parent)
         if store is None and not os.path.isdir(cwd):
             raise EngineError(

@@ -38,7 +38,13 @@ RUNS_AS_ACCOUNT = ("local", "slurm")
 def job_account(owner: str, backend: str, environ: Mapping[str, str] = os.environ) -> JobAccount | None:
     """The account `owner`'s jobs on `backend` run as; None when they run as this process's own user (it is not
     root, or its server was told `--job-user root`), or as the engine's."""
-    if os.geteuid() != 0 or backend not in RUNS_AS_ACCOUNT:
+    return owner_account(owner, environ) if backend in RUNS_AS_ACCOUNT else None
+
+
+def owner_account(owner: str, environ: Mapping[str, str] = os.environ) -> JobAccount | None:
+    """The unprivileged account this root server runs `owner`'s jobs as where it starts them itself; None when
+    it runs them as its own user (it is not root, or it was told `--job-user root`)."""
+    if os.geteuid() != 0:
         return None
     by_owner: dict[str, str] = json.loads(environ.get(JOB_USERS_ENV) or "{}")
     name = by_owner.get(owner) or environ.get(JOB_USER_ENV)

@@ -34,7 +34,14 @@ from clusterfit.outputs import (
 )
 from clusterfit.outputs.layout import CHECKPOINT_DIR, LOG_DIR, SUPERVISOR_LOG, rank_log_name
 from clusterfit.processes import process_start_time
-from clusterfit.service.accounts import RUNS_AS_ACCOUNT, hand_over, job_account, make_outputs_folder, refuse_links
+from clusterfit.service.accounts import (
+    RUNS_AS_ACCOUNT,
+    hand_over,
+    job_account,
+    make_outputs_folder,
+    owner_account,
+    refuse_links,
+)
 from clusterfit.service.causes import (
     Failure,
     classify,
@@ -198,6 +205,8 @@ class Supervisor:
             options: dict[str, Any] = {} if outputs_store is None else {"outputs_store": outputs_store}
             if self.confined and backend.name in RUNS_AS_ACCOUNT:
                 options.update(confined=True, account=self.account)
+            elif self.confined and backend.name == "ray" and owner_account(job.owner) is not None:
+                options.update(refuse_root_nodes=True)  # Ray's daemons start the job: not as root, at least
             handle = backend.submit(spec, **options)  # type: ignore[call-arg]
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
             return Outcome.FAILED, failure_for_error(exc, backend.name)
