@@ -5,6 +5,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import math
+import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -369,6 +370,61 @@ def test_injected_faults_fire_once_and_a_straggler_from_its_step_on(monkeypatch:
     assert slept == [0.05, 0.05, 0.05]
     with pytest.raises(ValueError, match="KIND one of"):
         Fault.parse("crawl:rank=0:step=1")
+
+
+def test_what_the_job_service_reads_of_a_job_s_files_is_bounded_whatever_their_size(tmp_path: Path) -> None:
+    """A job writes its metrics, heartbeats, summary and error files, and may make them any size: 256 MiB of
+    zeros (a sparse file: no disk) before its last records, a line that never ends, a heartbeat of 1 MiB. The
+    chart, the node membership, the follower and the status read bounded pieces and go on with what follows."""
+    import tracemalloc
+
+    from clusterfit.outputs import MetricsTail, read_summary
+    from clusterfit.service.store import Job
+    from clusterfit.service.views import metrics_series, node_membership
+
+    outputs = JobOutputs.at(tmp_path / "out")
+    outputs.heartbeats.mkdir(parents=True)
+    with open(outputs.metrics, "wb") as f:
+        f.truncate(256 * 1024 * 1024)
+        f.seek(0, os.SEEK_END)
+        for step in range(1, 3001):
+            record = {"kind": "start", "step": step, "nodes": 1 + step // 2000, "world_size": 2, "time": step}
+            f.write(b"\n" + json.dumps(record if step % 1000 == 0 else {**record, "kind": "train"}).encode())
+        f.write(b"\n")
+    (outputs.heartbeats / "rank-0.json").write_text(json.dumps({"pad": "x" * 1024 * 1024}))
+    outputs.summary.write_bytes(b"{" + b" " * (17 * 1024 * 1024) + b"}")
+    job = Job(outputs_dir=str(outputs.root), spec_yaml="resources: {instance_count: '1:2'}")
+
+    tracemalloc.start()
+    try:
+        series = metrics_series(job, limit=2000)
+        membership = node_membership(job)
+        heartbeats, summary = read_heartbeats(outputs), read_summary(outputs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024 * 1024, peak  # the whole file read at once: over 256 MiB
+    assert [r["step"] for r in series] == [step for step in range(1, 3001) if step % 1000][-2000:]
+    assert membership is not None and membership["now"] == 2
+    assert [(c["nodes_before"], c["nodes"]) for c in membership["changes"]] == [(1, 2)]
+    assert heartbeats == {} and summary is None  # larger than any real one: not read
+
+    tracemalloc.start()
+    try:
+        follower, followed = MetricsTail(outputs.metrics, from_start=True), []
+        while follower.offset < outputs.metrics.stat().st_size:  # a bounded piece per read
+            followed += follower.read_new()
+        with open(outputs.metrics, "ab") as f:
+            for _ in range(3):  # a line too long to be a record, written in pieces
+                f.write(b"x" * (3 * 1024 * 1024))
+                followed += follower.read_new()
+            f.write(b'y\n{"kind": "end", "step": 3001}\n')
+        followed += follower.read_new()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024 * 1024, peak
+    assert [r["step"] for r in followed] == [*range(1, 3001), 3001]
 
 
 def test_metrics_follower_reads_a_file_replaced_whole_past_what_it_has_read(tmp_path: Path) -> None:

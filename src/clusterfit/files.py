@@ -108,3 +108,12 @@ def read_regular(path: Path, start: int = 0, limit: int = -1) -> tuple[bytes, in
         size = os.fstat(fd).st_size
         f.seek(max(0, size + start) if start < 0 else start)
         return f.read(limit), size
+
+
+def read_whole_regular(path: Path, max_bytes: int) -> bytes:
+    """All of `path` as `read_regular` reads it, or ValueError when it holds more than `max_bytes`: a small
+    file a job writes (a heartbeat, its summary) that a server reads whole, whatever size the job made it."""
+    data, size = read_regular(path, 0, max_bytes)
+    if size > max_bytes:
+        raise ValueError(f"{path}: {size} bytes, more than the {max_bytes} such a file holds")
+    return data

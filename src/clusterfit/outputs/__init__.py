@@ -25,6 +25,7 @@ from clusterfit.outputs.metrics import (
     metrics_text,
     own_metrics,
     read_records,
+    recent_records,
 )
 from clusterfit.outputs.summary import finished_this_run, read_summary, write_summary
 
@@ -52,6 +53,7 @@ __all__ = [
     "own_metrics",
     "read_heartbeats",
     "read_records",
+    "recent_records",
     "read_summary",
     "write_heartbeat",
     "write_summary",

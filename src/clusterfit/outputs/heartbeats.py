@@ -10,8 +10,10 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-from clusterfit.files import open_beneath, read_regular, write_atomically
+from clusterfit.files import open_beneath, read_whole_regular, write_atomically
 from clusterfit.outputs.layout import JobOutputs
+
+_LARGEST_BEAT = 64 * 1024  # a rank's heartbeat is a few hundred bytes; a job writes the file
 
 
 class Phase(str, enum.Enum):
@@ -65,7 +67,7 @@ def read_heartbeats(outputs: JobOutputs, attempt: int | None = None) -> dict[int
     folder = outputs.heartbeats
     for path in folder.glob("rank-*.json") if folder.is_dir() else []:
         try:
-            record = json.loads(read_regular(path)[0])
+            record = json.loads(read_whole_regular(path, _LARGEST_BEAT))
             beat = RankBeat(rank=int(path.stem.split("-", 1)[1]), **record)
         except (OSError, ValueError, TypeError):
             continue

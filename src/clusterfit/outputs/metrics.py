@@ -12,6 +12,12 @@ from typing import IO, Any
 
 from clusterfit.files import read_regular
 
+# What the job service reads of a metrics file, which the job writes and may make any size: its end only (about
+# 40,000 records), and, when following it, a bounded piece per read and no record longer than a megabyte.
+SERVED_TAIL_BYTES = 8 * 1024 * 1024
+_FOLLOW_BYTES = 4 * 1024 * 1024
+_LONGEST_RECORD = 1024 * 1024
+
 
 class RecordKind(str, enum.Enum):
     START = "start"  # total_steps, the step a resumed run starts at
@@ -88,6 +94,7 @@ class MetricsTail:
         self.offset = 0 if from_start or not path.exists() else path.stat().st_size
         self._inode = path.stat().st_ino if path.exists() else None
         self._partial = b""
+        self._skipping = False  # inside a line too long to be a record, until its end
         self._last_time: float | None = None
 
     def read_new(self) -> list[dict[str, Any]]:
@@ -97,15 +104,20 @@ class MetricsTail:
             return []
         replaced = self._inode is not None and inode != self._inode
         if replaced:
-            self.offset, self._partial = 0, b""
+            self.offset, self._partial, self._skipping = 0, b"", False
         self._inode = inode
         try:
-            chunk, _ = read_regular(self.path, self.offset)
+            chunk, _ = read_regular(self.path, self.offset, _FOLLOW_BYTES)  # the rest at the next read
         except OSError:
             return []
         self.offset += len(chunk)
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
+        if self._skipping and lines:  # the rest of a line too long to be a record
+            lines.pop(0)
+            self._skipping = False
+        if len(self._partial) > _LONGEST_RECORD:
+            self._partial, self._skipping = b"", True
         records = list(_parse(line.decode(errors="replace") for line in lines))
         if replaced and self._last_time is not None:
             last = self._last_time
@@ -130,6 +142,27 @@ def read_records(path: Path, kinds: Iterable[RecordKind] | None = None) -> list[
         return []
     wanted = None if kinds is None else {kind.value for kind in kinds}
     return [record for record in _parse(text.splitlines()) if wanted is None or record.get("kind") in wanted]
+
+
+def recent_records(
+    path: Path, kinds: Iterable[RecordKind], limit: int | None = None, max_bytes: int = SERVED_TAIL_BYTES
+) -> list[dict[str, Any]]:
+    """The last `limit` (or all) complete records of `kinds` among the file's last `max_bytes`, oldest first:
+    what a server reads of a file that a job writes, however large the job made it."""
+    try:
+        data, size = read_regular(path, -max_bytes)
+    except OSError:
+        return []
+    if size > max_bytes:  # begins inside a line
+        data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+    wanted = {kind.value for kind in kinds}
+    found: list[dict[str, Any]] = []
+    for record in _parse(reversed(data.decode(errors="replace").splitlines())):
+        if record.get("kind") in wanted:
+            found.append(record)
+            if limit is not None and len(found) == limit:
+                break
+    return found[::-1]
 
 
 def last_record(path: Path, kind: RecordKind, tail_bytes: int = 65536) -> dict[str, Any] | None:

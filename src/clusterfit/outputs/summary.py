@@ -7,9 +7,10 @@ import json
 from typing import Any
 
 from clusterfit import __version__
-from clusterfit.files import read_regular, write_atomically
+from clusterfit.files import read_whole_regular, write_atomically
 from clusterfit.outputs.layout import JobOutputs
 
+_LARGEST_SUMMARY = 16 * 1024 * 1024  # rank 0 writes it: read whole only up to this size
 SCORING = "scoring"  # a scoring job's summary says `"kind": "scoring"` (images scored, skipped, images/s)
 
 
@@ -48,8 +49,10 @@ def write_summary(
 
 def read_summary(outputs: JobOutputs) -> dict[str, Any] | None:
     try:
-        return json.loads(read_regular(outputs.summary)[0])
+        return json.loads(read_whole_regular(outputs.summary, _LARGEST_SUMMARY))
     except OSError:  # none yet, or not a file of the job's (a link)
+        return None
+    except ValueError:  # cut short, or larger than a summary is
         return None
 
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterfit.errors import ClusterfitError, DataError, SpecError
-from clusterfit.files import read_regular
+from clusterfit.files import read_regular, read_whole_regular
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.outputs.logs import rank_logs, rank_of_error_file
 from clusterfit.service.states import FailureCause
+
+_LARGEST_ERROR_FILE = 4 * 1024 * 1024  # torchrun's error file with a deep traceback is a few hundred kB
 
 # torchrun's failure summary: "rank    : 1 (local_rank: 1)" then "exitcode  : -9 (pid: 123)", or one line
 # "rank: 1 (local_rank: 1), exitcode: -9 (pid: 123)" depending on the version.
@@ -243,7 +245,7 @@ def _exceptions(log_dir: Path) -> list[RankException]:
     for path in log_dir.glob("rank-*.error.json") if log_dir.is_dir() else []:
         rank = rank_of_error_file(path.name)
         try:
-            record = json.loads(read_regular(path)[0])["message"]
+            record = json.loads(read_whole_regular(path, _LARGEST_ERROR_FILE))["message"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if rank is None or not isinstance(record, dict):

@@ -16,8 +16,8 @@ from clusterfit.outputs import (
     membership_changes,
     own_metrics,
     read_heartbeats,
-    read_records,
     read_summary,
+    recent_records,
 )
 from clusterfit.outputs.checkpoints import published
 from clusterfit.service.records import outputs_url
@@ -96,7 +96,7 @@ def node_membership(job: Job) -> dict[str, Any] | None:
     allowed = yaml.safe_load(job.spec_yaml).get("resources", {}).get("instance_count")
     if not isinstance(allowed, str):
         return None  # a fixed node count: nothing to follow
-    starts = read_records(JobOutputs.at(job.outputs_dir).metrics, (RecordKind.START,))
+    starts = recent_records(JobOutputs.at(job.outputs_dir).metrics, (RecordKind.START,))
     return {
         "allowed": allowed,
         "now": starts[-1].get("nodes") if starts else None,
@@ -136,8 +136,8 @@ def job_details(store: JobStore, job: Job) -> dict[str, Any]:
 
 
 def metrics_series(job: Job, limit: int = 2000) -> list[dict[str, Any]]:
-    """The job's training records (step, loss, images/s), for charts."""
-    return read_records(JobOutputs.at(job.outputs_dir).metrics, (RecordKind.TRAIN, RecordKind.VAL))[-limit:]
+    """The job's last training records (step, loss, images/s), for charts."""
+    return recent_records(JobOutputs.at(job.outputs_dir).metrics, (RecordKind.TRAIN, RecordKind.VAL), limit)
 
 
 def age(value: str | None) -> str:
