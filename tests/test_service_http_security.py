@@ -49,11 +49,15 @@ class Served:
 
 
 CHECK_TIMEOUT_S = 8  # the guarded server's: a check takes about a second here, a hostile one forever
+QUEUE_LIMIT = 3  # jobs one owner may have waiting on the guarded server (paused: every job waits)
 
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    served = Served(tmp_path_factory.mktemp("guarded-home"), "--check-timeout", str(CHECK_TIMEOUT_S))
+    served = Served(
+        tmp_path_factory.mktemp("guarded-home"),
+        *("--check-timeout", str(CHECK_TIMEOUT_S), "--max-queued-per-owner", str(QUEUE_LIMIT)),
+    )
     with served.server:
         yield served
 
@@ -94,6 +98,25 @@ def test_a_submit_token_cancels_only_its_owners_jobs(guarded: Served, tmp_path: 
         assert http.post(f"/api/jobs/{second['id']}/cancel").json()["state"] == "CANCELLED"
         made = http.post("/api/tokens", json={"scope": "submit", "name": "carol-ci", "owner": "carol"}).json()
         assert (made["name"], made["owner"]) == ("carol-ci", "carol")
+
+
+def test_an_owner_s_queue_is_bounded_and_other_owners_are_not_held_by_it(guarded: Served, tmp_path: Path) -> None:
+    carol, dave = guarded.token("submit", "carol-ci", owner="carol"), guarded.token("submit", "dave")
+    with client(guarded.server.url, carol) as http:
+        queued = [http.post("/api/jobs", json=_job(tmp_path)).json()["id"] for _ in range(QUEUE_LIMIT)]
+        before = guarded.count_jobs()
+        refused = http.post("/api/jobs", json=_job(tmp_path))
+        assert refused.status_code == 429
+        assert refused.json()["detail"] == (
+            f"owner 'carol' already has {QUEUE_LIMIT} jobs waiting in the queue, this server's limit "
+            "(--max-queued-per-owner); wait for some to start, or cancel some"
+        )
+        assert guarded.count_jobs() == before
+    with client(guarded.server.url, dave) as http:
+        assert http.post("/api/jobs", json=_job(tmp_path)).status_code == 201
+    with client(guarded.server.url, carol) as http:
+        assert http.post(f"/api/jobs/{queued[0]}/cancel").json()["state"] == "CANCELLED"
+        assert http.post("/api/jobs", json=_job(tmp_path)).status_code == 201
 
 
 def test_a_token_lifetime_past_ten_years_is_a_one_line_refusal(guarded: Served) -> None:

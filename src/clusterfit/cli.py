@@ -322,6 +322,9 @@ def server(
             min=1, help="Seconds a submitted job's data check may take (a store that does not answer); then 503."
         ),
     ] = 30.0,
+    max_queued_per_owner: Annotated[
+        int, typer.Option(min=1, help="Jobs one owner may have waiting in the queue; more are answered 429.")
+    ] = 1000,
 ) -> None:
     """Serve the job service's HTTP API and web dashboard over the local store.
 
@@ -348,6 +351,7 @@ def server(
         behind_proxy=tls_terminated_elsewhere,
         allow_command_jobs=allow_command_jobs,
         check_timeout_s=check_timeout,
+        max_queued_per_owner=max_queued_per_owner,
     )
     by_owner = _owner_accounts(job_user_of or [])
     if os.geteuid() == 0:  # as anyone else, there are no root rights to drop

@@ -80,6 +80,8 @@ class ServerSettings:
     allow_command_jobs: bool = False
     # Longest a submitted job's data check may take (its helper is then killed and the answer is 503).
     check_timeout_s: float = 30.0
+    # Jobs one owner may have waiting in the queue: each is a database row holding its spec (up to the body limit).
+    max_queued_per_owner: int = 1000
 
 
 def exposure_refusal(host: str, *, auth: bool, tls: bool, tls_elsewhere: bool) -> str | None:
@@ -299,7 +301,12 @@ def create_app(store: JobStore, settings: ServerSettings = ServerSettings()) -> 
     app.state.failed_authentications = FailedAuthentications(
         settings.auth_failures_allowed, settings.auth_failure_window_s
     )
-    jobs = LocalJobs(store, start_jobs=not settings.paused, checks=SubmissionChecks(settings.check_timeout_s))
+    jobs = LocalJobs(
+        store,
+        start_jobs=not settings.paused,
+        checks=SubmissionChecks(settings.check_timeout_s),
+        max_queued_per_owner=settings.max_queued_per_owner,
+    )
 
     # The last added runs first: headers on every answer, then the body limit, then (without tokens) Host/Origin.
     if not settings.auth:

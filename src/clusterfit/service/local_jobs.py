@@ -111,6 +111,7 @@ class LocalJobs:
     store: JobStore
     start_jobs: bool = True  # False on a paused server: submissions are queued, none is started
     checks: SubmissionChecks | None = None  # a server's; None: submissions of this machine's own user, checked here
+    max_queued_per_owner: int | None = None  # a server's bound on the queue (each job is a row and a spec)
 
     def submit(self, spec_file: Path, overrides: list[str] | None = None) -> dict[str, Any]:
         """A job file of this machine, queued for the user running the command; its relative paths are read
@@ -124,6 +125,8 @@ class LocalJobs:
         """A job file's text as a client sent it (its paths are this machine's), queued for `owner`;
         `commands`: whether this submitter may run a command job (its own program) here."""
 
+        self._refuse_past_queue_limit(owner)  # before anything is read or checked
+
         def placed(spec: JobSpec) -> JobSpec:
             spec = without_relative_paths(source)(spec)
             if spec.command is not None and not commands:  # refused before its data is looked at
@@ -136,6 +139,16 @@ class LocalJobs:
 
         spec = checked_spec(lambda: load_spec_text(text, overrides, source=source), placed, self.checks, owner)
         return self.enqueue(spec, owner)
+
+    def _refuse_past_queue_limit(self, owner: str) -> None:
+        limit = self.max_queued_per_owner
+        if limit is not None and (queued := self.store.count_queued(owner)) >= limit:
+            who = f"owner {owner!r}" if owner else "submitters without a token"
+            raise Refused(
+                f"{who} already has {queued} jobs waiting in the queue, this server's limit "
+                "(--max-queued-per-owner); wait for some to start, or cancel some",
+                429,
+            )
 
     def enqueue(self, spec: JobSpec, owner: str) -> dict[str, Any]:
         job = record_job(self.store, spec, owner=owner)

@@ -232,6 +232,11 @@ class JobStore:
         with self.session() as session:
             return session.scalar(select(func.count()).select_from(Job)) or 0
 
+    def count_queued(self, owner: str) -> int:
+        query = select(func.count()).select_from(Job).where(Job.state == JobState.QUEUED.value, Job.owner == owner)
+        with self.session() as session:
+            return session.scalar(query) or 0
+
     def queued_in_order(self) -> list[Job]:
         """Queued jobs, the one to start first first: higher priority, then earlier submission."""
         query = select(Job).where(Job.state == JobState.QUEUED.value)
