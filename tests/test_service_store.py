@@ -35,6 +35,22 @@ def test_migrations_create_the_schema_once_and_reopening_keeps_the_jobs(store_ur
     assert reopened.get(job_id).state == "QUEUED"
 
 
+def test_a_store_at_the_newest_revision_opens_without_loading_alembic(store_url: str) -> None:
+    from alembic.script import ScriptDirectory
+
+    from clusterfit.service.migrate import HEAD_REVISION, alembic_config, current_revision
+
+    assert ScriptDirectory.from_config(alembic_config()).get_current_head() == HEAD_REVISION
+    store = open_store(store_url)  # made, or migrated, to the newest revision
+    assert current_revision(store.engine) == HEAD_REVISION
+    opened = subprocess.run(
+        [sys.executable, "-c", f"import sys; from clusterfit.service.migrate import open_store; "
+         f"open_store({store_url!r}).count_jobs(); print('alembic' in sys.modules)"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert opened.stdout.strip() == "False", opened.stderr
+
+
 def test_a_store_opened_again_in_the_same_process_still_sees_other_processes_writes(tmp_path) -> None:
     """Opening the store again (as a poll loop or a second command in one process does) must not disturb the
     connections already open: another process's transitions stay visible to them."""
