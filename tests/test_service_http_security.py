@@ -197,6 +197,24 @@ def test_submissions_wait_for_a_free_check_no_longer_than_a_check_lasts(tmp_path
         checks.slots.release()
 
 
+def test_one_owner_s_hanging_checks_do_not_hold_another_owner_s(tmp_path: Path) -> None:
+    checks = SubmissionChecks(timeout_s=5, at_once=4, per_owner=1)
+    fine = tiny_job(tmp_path / "out")
+    fine["outputs"] = {"dir": f"file://{tmp_path}/store", "cache_dir": str(tmp_path / "cache")}
+    with silent_store() as (port, accepted), ThreadPoolExecutor(1) as pool:
+        hostile = tiny_job(tmp_path / "mallory")
+        hostile["trainer"]["data"] = {"train": f"http://127.0.0.1:{port}/train", "image_size": 32}
+        hanging = pool.submit(checks.check, load_spec_text(yaml.safe_dump(hostile), source="job.yaml"), "mallory")
+        wait_for(lambda: accepted, 30, "the check to reach the silent store")
+        started = time.monotonic()
+        with pytest.raises(DataError, match=r"already checking 1 of this owner's submissions; submit again once"):
+            checks.check(load_spec_text(yaml.safe_dump(hostile), source="job.yaml"), "mallory")
+        checks.check(load_spec_text(yaml.safe_dump(fine), source="job.yaml"), "alice")  # not held by mallory's
+        assert time.monotonic() - started < 5 and not hanging.done()
+        with pytest.raises(DataError, match="did not end within 5 s"):
+            hanging.result()
+
+
 def test_failed_authentications_are_logged_and_limited_per_address(tmp_path: Path) -> None:
     """Its own server: once limited, 127.0.0.1 (every test's address) is refused for a minute."""
     served = Served(tmp_path)

@@ -36,12 +36,16 @@ def local_user() -> str:
 class SubmissionChecks:
     """How a server checks a submitted job's data. In this process when it reads only this machine's files with
     the server's own rights; otherwise (a store to ask, or a job account's rights to check with) in a process of
-    its own, killed after `timeout_s`, at most `at_once` at a time, and a request waits for a free one no longer
-    than one lasts: hostile specs (data at an address that never answers) hold no request thread for long."""
+    its own, killed after `timeout_s`, at most `at_once` at a time and `per_owner` of one owner's, and a request
+    waits for a free one no longer than one lasts: hostile specs (data at an address that never answers) hold no
+    request thread for long, and one owner's cannot hold every other owner's submissions."""
 
     timeout_s: float = 30.0
     at_once: int = 4
+    per_owner: int = 2
     slots: threading.BoundedSemaphore = field(init=False, repr=False, compare=False)
+    _running: dict[str, int] = field(init=False, repr=False, compare=False, default_factory=dict)
+    _lock: threading.Lock = field(init=False, repr=False, compare=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slots", threading.BoundedSemaphore(self.at_once))
@@ -53,15 +57,29 @@ class SubmissionChecks:
         if account is None and not any(is_url(place) for place in named_places(spec).values()):
             preflight(spec)
             return
-        if not self.slots.acquire(timeout=self.timeout_s):
-            raise DataError(
-                f"the server is already checking {self.at_once} other submissions' data; submit again in a moment",
-                retryable=True,
-            )
+        with self._lock:
+            if self._running.get(owner, 0) >= self.per_owner:
+                raise DataError(
+                    f"the server is already checking {self.per_owner} of this owner's submissions; submit again "
+                    "once they are answered",
+                    retryable=True,
+                )
+            self._running[owner] = self._running.get(owner, 0) + 1
         try:
-            preflight_apart(spec, account, self.timeout_s)
+            if not self.slots.acquire(timeout=self.timeout_s):
+                raise DataError(
+                    f"the server is already checking {self.at_once} other submissions' data; submit again in a moment",
+                    retryable=True,
+                )
+            try:
+                preflight_apart(spec, account, self.timeout_s)
+            finally:
+                self.slots.release()
         finally:
-            self.slots.release()
+            with self._lock:
+                self._running[owner] -= 1
+                if not self._running[owner]:
+                    del self._running[owner]
 
 
 def checked_spec(
