@@ -115,6 +115,30 @@ def test_log_lines_end_like_a_text_file_and_a_half_line_is_not_more(tmp_path: Pa
     assert read_logs(tmp_path, second.cursor, final=True).lines == ["[rank0] last"]
 
 
+def test_one_answer_reads_a_bounded_part_of_many_logs_and_every_log_takes_its_turn(tmp_path: Path) -> None:
+    """A job with 600 rank logs of 100 kB each (a large job, or one that made the files to load the server):
+    each answer reads at most 4 MiB from at most 256 of them, the files taking turns, and following the cursor
+    delivers every line of every file once."""
+    expected = {}
+    for rank in range(600):
+        text = "".join(f"rank {rank} line {n} " + "x" * 80 + "\n" for n in range(1000))
+        (tmp_path / f"rank-{rank}.log").write_text(text)
+        expected[rank] = text.splitlines()
+    got: dict[int, list[str]] = {rank: [] for rank in expected}
+    cursor, answers, empty = None, 0, 0
+    while empty < 3:  # a whole round of turns with nothing new
+        chunk = read_logs(tmp_path, cursor)
+        answers += 1
+        empty = 0 if chunk.lines else empty + 1
+        assert sum(len(line) for line in chunk.lines) <= 4 * 1024 * 1024 + 10 * len(chunk.lines)  # + the labels
+        assert len({line.split("]")[0] for line in chunk.lines}) <= 256
+        for line in chunk.lines:
+            label, _, text = line.partition("] ")
+            got[int(label.removeprefix("[rank"))].append(text)
+        cursor = chunk.cursor
+    assert got == expected and answers < 100
+
+
 def test_a_job_s_file_that_is_a_link_is_not_read_through(tmp_path: Path) -> None:
     """The server (root) reads the files of jobs that run as other accounts: a job's `rank-1.log -> /etc/shadow`
     must show nothing, in the log API or in a cause read from a log's tail; nor may its metrics, heartbeat or

@@ -12,6 +12,11 @@ from clusterfit.files import read_regular
 from clusterfit.outputs.logs import is_followed_log, log_label, log_order
 
 _CHUNK_BYTES = 256 * 1024  # per file and request: a huge log arrives in pieces instead of one giant response
+# All files of one answer together, and how many files one answer reads: a job with thousands of logs (or one
+# that made thousands of files) is answered in pieces, the files taking turns from one answer to the next.
+_ANSWER_BYTES = 4 * 1024 * 1024
+_FILES_PER_ANSWER = 256
+_TURN = "^"  # the cursor's entry for the file the next answer starts with, when they take turns
 # Line ends as Python's text files know them: a progress bar's lone \r ends a line too, not only \n and \r\n.
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
@@ -46,23 +51,29 @@ def read_logs(
     a newline is included too. A file that shrank was rotated by a restart: it is read again from its start."""
     offsets = parse_cursor(cursor)
     names = [path.name for path in log_dir.iterdir() if is_followed_log(path.name, ranks)] if log_dir.is_dir() else []
+    ordered = sorted(names, key=log_order)
+    turn = offsets.pop(_TURN, 0) % len(ordered) if ordered else 0
+    served = (ordered[turn:] + ordered[:turn])[:_FILES_PER_ANSWER]
+    if len(ordered) > len(served):
+        offsets[_TURN] = (turn + len(served)) % len(ordered)
+    piece = min(_CHUNK_BYTES, _ANSWER_BYTES // max(1, len(served)))
     lines: list[str] = []
     more = False
-    for name in sorted(names, key=log_order):
+    for name in served:
         path = log_dir / name
         start = offsets.get(name, 0)
         try:
-            data, size = read_regular(path, start, _CHUNK_BYTES)
+            data, size = read_regular(path, start, piece)
             if size < start:
                 start = 0
-                data, size = read_regular(path, 0, _CHUNK_BYTES)
+                data, size = read_regular(path, 0, piece)
         except OSError:
             continue
         complete_up_to = _whole_lines(data)
         at_end = start + len(data) >= size
         if final and at_end:
             complete_up_to = len(data)
-        elif complete_up_to == 0 and len(data) == _CHUNK_BYTES:
+        elif complete_up_to == 0 and len(data) == piece:
             complete_up_to = len(data)  # one enormous line: hand it over in pieces rather than never
         text = data[:complete_up_to].decode("utf-8", errors="replace")
         offsets[name] = start + complete_up_to
@@ -73,7 +84,7 @@ def read_logs(
             pieces.pop()  # the text ended with a line end: nothing follows it yet
         lines += [label + line for line in pieces]
     cursor_text = ",".join(f"{name}:{offset}" for name, offset in sorted(offsets.items()))
-    return LogChunk(lines=lines, cursor=cursor_text, more=more, files=sorted(names, key=log_order))
+    return LogChunk(lines=lines, cursor=cursor_text, more=more, files=ordered)
 
 
 def _whole_lines(data: bytes) -> int:
