@@ -115,6 +115,13 @@ def test_log_lines_end_like_a_text_file_and_a_half_line_is_not_more(tmp_path: Pa
     assert read_logs(tmp_path, second.cursor, final=True).lines == ["[rank0] last"]
 
 
+def test_a_cursor_a_client_made_up_reads_from_the_start_and_is_not_echoed(tmp_path: Path) -> None:
+    (tmp_path / "rank-0.log").write_text("step 1\n")
+    for cursor in ("rank-0.log:" + "9" * 5000, "rank-0.log:" + "9" * 30, "x" * 100 + ":1,rank-0.log:0"):
+        chunk = read_logs(tmp_path, cursor)  # int() and seek() raised on the first two: a 500
+        assert (chunk.lines, chunk.cursor) == (["[rank0] step 1"], "rank-0.log:7")
+
+
 def test_one_answer_reads_a_bounded_part_of_many_logs_and_every_log_takes_its_turn(tmp_path: Path) -> None:
     """A job with 600 rank logs of 100 kB each (a large job, or one that made the files to load the server):
     each answer reads at most 4 MiB from at most 256 of them, the files taking turns, and following the cursor

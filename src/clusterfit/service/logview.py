@@ -31,10 +31,12 @@ class LogChunk:
 
 
 def parse_cursor(cursor: str | None) -> dict[str, int]:
+    """A client's cursor, as far as it can be one: an offset past what a file can hold (over 18 digits, which
+    int() and seek() refuse with an error) is no offset, and the file is read from its start."""
     offsets: dict[str, int] = {}
     for part in (cursor or "").split(","):
         name, _, offset = part.rpartition(":")
-        if name and offset.isdigit():
+        if name and offset.isdigit() and len(offset) <= 18:
             offsets[name] = int(offset)
     return offsets
 
@@ -83,7 +85,8 @@ def read_logs(
         if pieces and pieces[-1] == "":
             pieces.pop()  # the text ended with a line end: nothing follows it yet
         lines += [label + line for line in pieces]
-    cursor_text = ",".join(f"{name}:{offset}" for name, offset in sorted(offsets.items()))
+    kept = set(ordered) | {_TURN}  # what the client made up of its own is not echoed back
+    cursor_text = ",".join(f"{name}:{offset}" for name, offset in sorted(offsets.items()) if name in kept)
     return LogChunk(lines=lines, cursor=cursor_text, more=more, files=ordered)
 
 
