@@ -44,20 +44,29 @@ def free_port() -> int:
 
 
 class Azurite:
-    def __init__(self, location: Path) -> None:
+    def __init__(self, location: Path, other_accounts: dict[str, str] | None = None) -> None:
         self.binary = azurite_binary()
         self.location = location
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
+        self.other_accounts = other_accounts or {}  # name: key, served beside devstoreaccount1
+
+    def account_endpoint(self, account: str = ACCOUNT) -> str:
+        return f"http://127.0.0.1:{self.port}/{account}"
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}/{ACCOUNT}"
+        return self.account_endpoint()
 
-    def connection_string(self, key: str = KEY) -> str:
-        return f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={key};BlobEndpoint={self.endpoint};"
+    def connection_string(self, key: str = KEY, account: str = ACCOUNT) -> str:
+        endpoint = self.account_endpoint(account)
+        return f"DefaultEndpointsProtocol=http;AccountName={account};AccountKey={key};BlobEndpoint={endpoint};"
 
     def start(self) -> None:
+        env = None
+        if self.other_accounts:  # Azurite then serves only the accounts it is given
+            accounts = {ACCOUNT: KEY, **self.other_accounts}
+            env = {**os.environ, "AZURITE_ACCOUNTS": ";".join(f"{name}:{key}" for name, key in accounts.items())}
         self.process = subprocess.Popen(
             [
                 str(self.binary),
@@ -74,6 +83,7 @@ class Azurite:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            env=env,
         )
         deadline = time.monotonic() + 60
         while True:

@@ -6,6 +6,8 @@ the service home and its database are their owner's alone."""
 from __future__ import annotations
 
 import os
+import shutil
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -152,3 +154,87 @@ def test_an_unreachable_store_names_its_url_without_the_password(tmp_path: Path)
     result = run_cli("list", env={**os.environ, "CLUSTERFIT_DATABASE_URL": url})
     assert result.returncode != 0 and "hunter2secret" not in result.stderr + result.stdout
     assert "127.0.0.1:1/jobs" in result.stderr
+
+
+def _blobs(connection_string: str, container: str) -> dict[str, bytes]:
+    from azure.storage.blob import ContainerClient
+
+    blobs = ContainerClient.from_connection_string(connection_string, container)
+    return {blob.name: blobs.download_blob(blob.name).readall() for blob in blobs.list_blobs()}
+
+
+def test_a_job_reaches_its_store_with_its_own_credentials_never_the_servers(tmp_path: Path, service_home: Path) -> None:
+    """The server's environment holds the operator's store credentials; a job names the same container in its own
+    account. Its outputs go to its own account, and neither the supervisor (pushing and resuming) nor the server
+    (reading a job whose local copy is gone) reaches the operator's: they used to, with the operator's rights."""
+    import base64
+
+    from azure.storage.blob import BlobServiceClient
+    from azurite import Azurite
+    from services import skip_reason
+
+    if skip_reason("azurite"):
+        pytest.skip(skip_reason("azurite"))
+    operator_key = base64.b64encode(os.urandom(32)).decode()
+    azurite = Azurite(tmp_path / "azurite", other_accounts={"operator": operator_key})
+    azurite.start()
+    try:
+        operator, owner = azurite.connection_string(operator_key, "operator"), azurite.connection_string()
+        for account in (operator, owner):
+            BlobServiceClient.from_connection_string(account).create_container("runs")
+        # The operator's own run at the path the job names: the job must neither resume from it nor overwrite it.
+        operator_run = BlobServiceClient.from_connection_string(operator).get_container_client("runs")
+        operator_run.upload_blob("shared/logs/rank-0.log", b"the operator's own log\n")
+        before = _blobs(operator, "runs")
+        job = {
+            "name": "own-store",
+            "command": "echo written-by-the-job",
+            "environment_variables": {"AZURE_STORAGE_CONNECTION_STRING": owner},
+            "distribution": {"type": "pytorch", "process_count_per_instance": 1},
+            "resources": {"instance_count": 1, "backend": "local"},
+            "outputs": {"dir": "az://runs/shared", "cache_dir": str(tmp_path / "cache"), "upload_every_s": 1},
+        }
+        server = ServerProcess(env={"AZURE_STORAGE_CONNECTION_STRING": operator})
+        with server, client(server.url, issue_token(open_store(), "admin", timedelta(hours=1), "ops").secret) as http:
+            answer = http.post("/api/jobs", json={"spec": yaml.safe_dump(job)})
+            assert answer.status_code == 201, answer.text
+            job_id = answer.json()["id"]
+            assert _final(job_id) == "SUCCEEDED", open_store().get(job_id).cause_detail
+            local_copy = Path(open_store().get(job_id).outputs_dir)
+            assert "the operator's own log" not in (local_copy / "logs" / "rank-0.log").read_text()
+            shutil.rmtree(local_copy)  # the server now reads the job's logs from the store
+            lines = "\n".join(http.get(f"/api/jobs/{job_id}/logs").json()["lines"])
+        assert "written-by-the-job" in lines and "the operator's own log" not in lines
+        assert _blobs(operator, "runs") == before, "the job wrote in the operator's account"
+        pushed = _blobs(owner, "runs")
+        assert b"written-by-the-job" in pushed["shared/logs/rank-0.log"]
+        said = "".join(server.output)
+        assert "not used: the store credentials in this environment (AZURE_STORAGE_CONNECTION_STRING)" in said
+        assert operator_key not in said
+    finally:
+        azurite.stop()
+
+
+def _final(job_id: str, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = open_store().get(job_id)
+        if job.job_state.is_terminal:
+            return job.state
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} still {job.state} after {timeout} s")
+
+
+def test_a_job_s_store_variables_are_its_credentials_and_masked_like_its_sas_token() -> None:
+    from clusterfit.spec.model import StorageSpec
+    from clusterfit.storage.filesystems import credentials, drop_store_credentials
+
+    key = "c2VjcmV0LWFjY291bnQta2V5"
+    given = {"AZURE_STORAGE_ACCOUNT_KEY": key, "AZURE_STORAGE_ACCOUNT_NAME": "mine", "FROM_SPEC": "yes"}
+    creds = credentials(StorageSpec(), given)
+    assert dict(creds.variables) == {"AZURE_STORAGE_ACCOUNT_KEY": key, "AZURE_STORAGE_ACCOUNT_NAME": "mine"}
+    assert key in creds.secrets() and key not in repr(creds)
+    server = {"AZURE_STORAGE_ACCOUNT_KEY": key, "AWS_PROFILE": "ops", "AWS_REGION": "eu-west-1", "PATH": "/bin"}
+    assert drop_store_credentials(server) == ["AWS_PROFILE", "AZURE_STORAGE_ACCOUNT_KEY"]
+    assert server["AWS_REGION"] == "eu-west-1" and server["AZURE_STORAGE_ANON"] == "true"
+    assert server["AWS_SHARED_CREDENTIALS_FILE"] == os.devnull and drop_store_credentials(server) == []

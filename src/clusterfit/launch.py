@@ -27,7 +27,7 @@ from clusterfit.outputs.model_card import read_model_card
 from clusterfit.outputs.predictions import ScorePlan, check_plan, plan_chunk_size, require_pyarrow
 from clusterfit.outputs.resolved_spec import resolved_spec_text
 from clusterfit.spec.model import JobSpec, is_url
-from clusterfit.storage.filesystems import credentials
+from clusterfit.storage.filesystems import job_credentials
 from clusterfit.storage.outputs_mirror import check_store
 
 
@@ -36,7 +36,7 @@ def preflight(spec: JobSpec) -> None:
     outputs holding another job's checkpoints, and for devices the workers will not have."""
     _check_devices(spec)
     if is_url(spec.outputs.dir):
-        check_store(spec.outputs.dir, credentials(spec.storage))
+        check_store(spec.outputs.dir, job_credentials(spec))
     if spec.resources.backend == "kubernetes":
         return  # paths name places inside the pods (image, mounted claims), not on this machine
     if spec.scorer is not None:

@@ -50,7 +50,7 @@ from clusterfit.network import free_port
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, is_running, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
-from clusterfit.storage.filesystems import Credentials, credentials, public
+from clusterfit.storage.filesystems import Credentials, job_credentials, public
 from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror
 
 NAMESPACE = "clusterfit"
@@ -215,7 +215,7 @@ class RayBackend:
         store = None
         if outputs_store is not None:
             out = spec.outputs
-            store = NodeStore(outputs_store, credentials(spec.storage), out.cache_dir, out.upload_every_s)
+            store = NodeStore(outputs_store, job_credentials(spec), out.cache_dir, out.upload_every_s)
             for path, content in rendered.files.items():  # the job.yaml by which this run is known here and there
                 write_atomically(Path(path), content)
             launcher_copy = JobOutputs.at(Path(out.dir).resolve())

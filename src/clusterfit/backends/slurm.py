@@ -35,7 +35,7 @@ from clusterfit.backends.torchrun import (
 from clusterfit.errors import EngineError, SpecError
 from clusterfit.outputs import JobOutputs
 from clusterfit.spec.model import JobSpec
-from clusterfit.storage.filesystems import Credentials, credentials, public
+from clusterfit.storage.filesystems import Credentials, credentials, job_credentials, public
 from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror
 
 SCRIPT = "slurm/job.sbatch"  # under outputs.dir
@@ -248,7 +248,7 @@ class SlurmBackend:
             script = rendered.files[str(Path(spec.outputs.dir) / SCRIPT)]
             command = [*command[:-1], f"--uid={account.uid}", f"--gid={account.gid}"]
         if outputs_store is not None:  # before any node starts: each fills its folder from the store
-            creds = credentials(spec.storage)
+            creds = job_credentials(spec)
             OutputsMirror(launcher_copy, outputs_store, creds, role=MirrorRole.LAUNCHER).push(read_back=False)
         # sbatch exports the submitting environment to the job (--export=ALL): the secret travels that way.
         if confined:

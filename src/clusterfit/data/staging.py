@@ -37,6 +37,7 @@ from clusterfit.storage.filesystems import (
     StorageError,
     cache_folder,
     credentials,
+    job_credentials,
     open_filesystem,
     public,
     storage_error,
@@ -362,12 +363,12 @@ def stage_inputs(spec: JobSpec, run_token: str, log: Callable[[str], None] = pri
         if not is_url(scorer.input):
             return spec
         report = stage(
-            scorer.input, scorer.cache_dir, credentials(spec.storage), workers=scorer.stage_workers, run_token=run_token
+            scorer.input, scorer.cache_dir, job_credentials(spec), workers=scorer.stage_workers, run_token=run_token
         )
         log(describe(report))
         return spec.model_copy(update={"scorer": scorer.model_copy(update={"input": str(report.local)})})
     data, init = spec.trainer.data, spec.trainer.init
-    creds = credentials(spec.storage)
+    creds = job_credentials(spec)
     changes: dict[str, Any] = {}
     if init is not None and is_url(init.weights):  # one file, staged (and verified) like a dataset
         report = stage(init.weights, data.cache_dir, creds, workers=1, run_token=run_token)

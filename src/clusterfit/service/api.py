@@ -51,6 +51,7 @@ from clusterfit.service.local_jobs import LocalJobs, SubmissionChecks
 from clusterfit.service.records import forget_secrets_of_ended_jobs
 from clusterfit.service.scheduler import reconcile, schedule
 from clusterfit.service.store import ApiToken, JobStore
+from clusterfit.storage.filesystems import drop_store_credentials
 
 if TYPE_CHECKING:
     import uvicorn  # imported where a server runs: the CLI's other commands need not load it
@@ -493,6 +494,12 @@ def serve(
 
     os.umask(0o077)  # the database, secrets and logs it writes are for its user only
     forget_secrets_of_ended_jobs(store)  # those a crashed server or supervisor left behind
+    dropped = drop_store_credentials(os.environ)  # for this process and the supervisors it starts
+    if dropped:
+        announce(
+            f"not used: the store credentials in this environment ({', '.join(dropped)}); each job reaches its "
+            "store with its own (its spec's storage: and environment_variables:)"
+        )
     config = uvicorn.Config(
         create_app(store, settings),
         ssl_certfile=str(tls_cert) if tls_cert else None,

@@ -23,7 +23,7 @@ from clusterfit.service.store import Job, JobNotFound, JobStore, StateConflict
 from clusterfit.service.views import job_details, job_row, job_status, metrics_series
 from clusterfit.spec import JobSpec, load_spec, load_spec_text
 from clusterfit.spec.model import anchored, is_url, named_places, submission_relative_paths
-from clusterfit.storage.filesystems import credentials
+from clusterfit.storage.filesystems import job_credentials
 from clusterfit.storage.outputs_mirror import OutputsMirror
 
 
@@ -223,7 +223,7 @@ class LocalJobs:
         if url is not None and not Path(job.outputs_dir).exists():
             try:
                 spec = spec_of(job)
-                OutputsMirror(JobOutputs.at(job.outputs_dir), url, credentials(spec.storage)).pull(checkpoints=False)
+                OutputsMirror(JobOutputs.at(job.outputs_dir), url, job_credentials(spec)).pull(checkpoints=False)
             except ClusterfitError as exc:
                 raise ServiceError(str(exc), exit_code=1) from None
         return job

@@ -22,6 +22,7 @@ from clusterfit.service.home import local_capacity, service_home
 from clusterfit.service.records import forget_secrets_of_ended_jobs
 from clusterfit.service.states import FailureCause, IllegalTransition, JobState
 from clusterfit.service.store import Job, JobStore, StateConflict, utcnow
+from clusterfit.storage.filesystems import drop_store_credentials
 
 _SUPERVISOR_SILENCE = timedelta(seconds=60)  # a supervisor on another host writes at least every 2 s
 
@@ -50,6 +51,8 @@ def schedule(store: JobStore, capacity: int | None = None) -> list[str]:
 
 
 def spawn_supervisor(job_id: str) -> None:
+    env = os.environ.copy()
+    drop_store_credentials(env)  # its job's store is reached with the job's own credentials only
     # The supervisor forks and detaches at once, so waiting here is short and leaves no zombie behind.
     subprocess.run(
         [sys.executable, "-m", "clusterfit.service.supervisor", job_id],
@@ -57,7 +60,7 @@ def spawn_supervisor(job_id: str) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         check=True,
-        env=os.environ.copy(),
+        env=env,
     )
 
 

@@ -55,7 +55,7 @@ from clusterfit.service.records import forget_secrets, outputs_url, spec_of
 from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
 from clusterfit.service.store import Job, JobStore, dump_json
 from clusterfit.spec import JobSpec
-from clusterfit.storage.filesystems import credentials, public
+from clusterfit.storage.filesystems import job_credentials, public
 from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror, Uploader, writer_ttl_s
 
 _RECORD_EVERY_S = 2.0  # progress written to the store at most this often; also the supervisor's liveness
@@ -136,7 +136,7 @@ class Supervisor:
             if url is not None:
                 # Where the nodes share no folder with this one, they write the store and this copy reads it back.
                 role = MirrorRole.LAUNCHER if spec.resources.backend in _OWN_FOLDERS else MirrorRole.FOLDER
-                mirror = OutputsMirror(JobOutputs.at(spec.outputs.dir), url, credentials(spec.storage), role=role)
+                mirror = OutputsMirror(JobOutputs.at(spec.outputs.dir), url, job_credentials(spec), role=role)
                 mirror.claim(job.id, writer_ttl_s(spec.outputs.upload_every_s))  # one job per store copy
                 if account is not None:
                     refuse_links(Path(spec.outputs.dir))  # what this process writes there must stay there

@@ -7,14 +7,14 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from clusterfit.errors import DataError
 from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV
-from clusterfit.spec.model import StorageSpec
+from clusterfit.spec.model import JobSpec, StorageSpec
 from clusterfit.storage.redact import redact
 
 
@@ -25,20 +25,81 @@ class StorageError(DataError):
 
 @dataclass(frozen=True)
 class Credentials:
-    """Only what the spec may say; anything else comes from the environment (AZURE_STORAGE_*, AWS_*)."""
+    """What the spec says (its storage section, the store variables among its environment_variables), given to
+    the store's client as options; anything else the client finds in this process's environment (AZURE_STORAGE_*,
+    AWS_*), of which the job service's processes keep none (`drop_store_credentials`)."""
 
     account_name: str | None = None
     endpoint: str | None = None
-    sas_token: str | None = None
+    sas_token: str | None = field(default=None, repr=False)
+    variables: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
     def secrets(self) -> list[str]:
-        return [s for s in (self.sas_token, os.environ.get("AZURE_STORAGE_ACCOUNT_KEY")) if s]
+        given = [value for name, value in self.variables if name in _SECRET_VARIABLES]
+        return [s for s in (self.sas_token, os.environ.get("AZURE_STORAGE_ACCOUNT_KEY"), *given) if s]
 
 
-def credentials(storage: StorageSpec) -> Credentials:
-    """The spec's storage section; a SAS token the launcher passed in the environment (never in job.yaml)."""
+# Store variables a job may give as values, and the client option each one is.
+_AZURE_OPTIONS = {
+    "AZURE_STORAGE_CONNECTION_STRING": "connection_string",
+    "AZURE_STORAGE_ACCOUNT_NAME": "account_name",
+    "AZURE_STORAGE_ACCOUNT_KEY": "account_key",
+    "AZURE_STORAGE_SAS_TOKEN": "sas_token",
+}
+_S3_OPTIONS = {"AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret", "AWS_SESSION_TOKEN": "token"}
+_SECRET_VARIABLES = frozenset(
+    {"AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN"}
+    | {"AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"}
+)
+
+
+def credentials(storage: StorageSpec, variables: Mapping[str, str] | None = None) -> Credentials:
+    """The spec's storage section; a SAS token the launcher passed in the environment (never in job.yaml); the
+    store variables among `variables` (a spec's environment_variables), which its workers have too."""
     token = storage.sas_token.get_secret_value() if storage.sas_token else os.environ.get(STORAGE_SAS_TOKEN_ENV)
-    return Credentials(account_name=storage.account_name, endpoint=storage.endpoint, sas_token=token or None)
+    given = tuple(
+        (name, value)
+        for name, value in sorted((variables or {}).items())
+        if name in _AZURE_OPTIONS or name in _S3_OPTIONS or name == "AWS_ENDPOINT_URL"
+    )
+    return Credentials(storage.account_name, storage.endpoint, token or None, given)
+
+
+def job_credentials(spec: JobSpec) -> Credentials:
+    return credentials(spec.storage, spec.environment_variables)
+
+
+# What keeps a store's client from looking for credentials that no option gave it: Azure's identity chain (which
+# asks the Azure CLI for its login), the AWS profiles in the account's home folder, the machine's instance metadata.
+_LOOK_NOWHERE = {
+    "AZURE_STORAGE_ANON": "true",
+    "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+    "AWS_CONFIG_FILE": os.devnull,
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+# Where the clients find such credentials: values, files they name, identities to ask (not their other settings:
+# a region, a CA bundle).
+_AMBIENT_PREFIXES = ("AZURE_STORAGE_", "AWS_CONTAINER_", "AWS_ROLE_")
+_AMBIENT_NAMES = frozenset(
+    {"AZURE_CLIENT_ID", "AZURE_CLIENT_SECRET", "AZURE_TENANT_ID", "AZURE_CLIENT_CERTIFICATE_PATH"}
+    | {"AZURE_CLIENT_CERTIFICATE_PASSWORD", "AZURE_FEDERATED_TOKEN_FILE", "AZURE_USERNAME", "AZURE_PASSWORD"}
+    | {"IDENTITY_ENDPOINT", "IDENTITY_HEADER", "MSI_ENDPOINT", "MSI_SECRET", "GOOGLE_APPLICATION_CREDENTIALS"}
+    | {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE"}
+    | {"AWS_DEFAULT_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", *_LOOK_NOWHERE}
+)
+
+
+def drop_store_credentials(environ: MutableMapping[str, str]) -> list[str]:
+    """Takes out of `environ` every way a store client finds credentials of its own, and returns the names it
+    took out. For the job service's processes, which act for every owner's jobs: a job reaches its store with
+    what its spec gives (`job_credentials`), never with the operator's credentials, which would let any owner read
+    and write wherever the operator may."""
+    found = sorted(name for name in environ if name.startswith(_AMBIENT_PREFIXES) or name in _AMBIENT_NAMES)
+    dropped = [name for name in found if environ[name] != _LOOK_NOWHERE.get(name)]
+    for name in found:
+        del environ[name]
+    environ.update(_LOOK_NOWHERE)
+    return dropped
 
 
 def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
@@ -47,6 +108,7 @@ def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
 
     protocol = url.split("://", 1)[0].lower()
     options: dict[str, Any] = {"skip_instance_cache": True}
+    given = dict(creds.variables)
     if protocol in ("az", "abfs", "abfss"):
         if creds.endpoint and creds.sas_token:
             options["connection_string"] = f"BlobEndpoint={creds.endpoint};SharedAccessSignature={creds.sas_token}"
@@ -55,8 +117,15 @@ def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
                 options["account_name"] = creds.account_name
             if creds.sas_token:
                 options["sas_token"] = creds.sas_token
-    elif protocol in ("s3", "s3a") and creds.endpoint:
-        options["client_kwargs"] = {"endpoint_url": creds.endpoint}
+        if not creds.sas_token:  # the spec's token is the credential, and no key or connection string beside it
+            for name, option in _AZURE_OPTIONS.items():
+                if name in given:
+                    options.setdefault(option, given[name])
+    elif protocol in ("s3", "s3a"):
+        options.update((option, given[name]) for name, option in _S3_OPTIONS.items() if name in given)
+        endpoint = creds.endpoint or given.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            options["client_kwargs"] = {"endpoint_url": endpoint}
     elif protocol in ("file", "local"):
         options["auto_mkdir"] = True  # a folder store has folders: writing logs/rank-0.log needs logs/ first
     try:
