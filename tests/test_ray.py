@@ -491,7 +491,7 @@ def test_a_session_script_reports_checkpoints_and_resumes_on_two_ray_nodes(
 
     run()
     assert [record["step"] for record in read_records(out.metrics)] == list(range(6))
-    beats = read_heartbeats(out)
+    beats = read_heartbeats(out, 2)
     assert {rank: beat.metrics["node"] for rank, beat in beats.items()} == {0: 0.0, 1: 1.0}  # one rank per node
     resume = latest_checkpoint(JobOutputs.at(store).checkpoints, rank=1)
     assert resume is not None and resume.step == 5 and resume.world_size == 2

@@ -317,5 +317,5 @@ def test_data_gone_before_a_queued_job_starts_is_a_bad_spec(
 
 
 def _both_heartbeats(out: Path) -> dict[int, RankBeat] | None:
-    beats = read_heartbeats(JobOutputs(out))
+    beats = read_heartbeats(JobOutputs(out), 2)
     return beats if len(beats) == 2 else None

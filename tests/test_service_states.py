@@ -448,7 +448,7 @@ def test_with_several_agents_the_first_summary_written_names_the_root_cause(tmp_
     logs = JobOutputs(tmp_path).logs
     logs.mkdir()
     (logs / "agent.log").write_text(AGENT_SUMMARY + PEER_SUMMARY)
-    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
+    evidence = gather_evidence(JobOutputs(tmp_path), 2, exit_code=1)
     assert evidence.root_rank == 1 and evidence.rank_exits == {0: 1, 1: -9}
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
 
@@ -460,7 +460,7 @@ def test_a_killed_rank_beats_a_peers_connection_reset_even_when_reported_second(
     (logs / "rank-0.error.json").write_text(
         json.dumps({"message": {"message": "RuntimeError: Read error: Connection reset by peer.", "extraInfo": {}}})
     )
-    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
+    evidence = gather_evidence(JobOutputs(tmp_path), 2, exit_code=1)
     assert evidence.root_rank == 0 and len(evidence.exceptions) == 1
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
 
@@ -473,7 +473,7 @@ def test_an_earlier_attempts_summary_is_not_evidence(tmp_path: Path) -> None:
     start = (logs / "agent.log").stat().st_size
     with open(logs / "agent.log", "a") as log:
         log.write(PEER_SUMMARY)
-    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1, agent_log_start=start)
+    evidence = gather_evidence(JobOutputs(tmp_path), 2, exit_code=1, agent_log_start=start)
     assert evidence.root_rank == 0 and evidence.rank_exits == {0: 1}
 
 
@@ -481,7 +481,7 @@ def test_torchruns_failure_summary_is_read_with_its_root_cause(tmp_path: Path) -
     logs = JobOutputs(tmp_path).logs
     logs.mkdir()
     (logs / "agent.log").write_text(AGENT_SUMMARY)
-    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
+    evidence = gather_evidence(JobOutputs(tmp_path), 2, exit_code=1)
     assert evidence.rank_exits == {0: 1, 1: -9}
     assert evidence.root_rank == 1
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
@@ -520,7 +520,7 @@ def test_a_rank_the_agent_stopped_itself_is_never_the_cause(tmp_path: Path) -> N
     (logs / "rank-0.error.json").write_text(
         json.dumps({"message": {"message": "RuntimeError: Read error: Connection reset by peer.", "extraInfo": {}}})
     )
-    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
+    evidence = gather_evidence(JobOutputs(tmp_path), 2, exit_code=1)
     assert evidence.root_rank == 0 and evidence.stopped_by_agent == {0}
     assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
 
@@ -536,13 +536,13 @@ def test_a_full_shm_in_a_running_ranks_log_dooms_the_job_at_once(tmp_path: Path)
     outputs.logs.mkdir()
     outputs.rank_log(0).write_text("12:00:01 epoch 1/1 step 2/8 loss 2.3\n")
     outputs.rank_log(1).write_text("12:00:01 epoch 1/1 step 2/8 loss 2.3\n")
-    assert fatal_in_logs(outputs) is None
+    assert fatal_in_logs(outputs, 2) is None
     with open(outputs.rank_log(1), "a") as log:
         log.write(
             '  File "/usr/lib/python3.11/multiprocessing/queues.py", line 244, in _feed\n'
             "RuntimeError: unable to allocate shared memory(shm) for file </t_1>: No space left on device (28)\n"
         )
-    failure = fatal_in_logs(outputs)
+    failure = fatal_in_logs(outputs, 2)
     assert failure is not None and failure.cause is FailureCause.SHM and failure.summary.startswith("rank 1: out of")
 
 
@@ -576,7 +576,7 @@ def test_a_shell_s_killed_program_is_named_on_its_rank_not_on_the_rank_the_agent
     logs = JobOutputs(tmp_path).logs
     logs.mkdir()
     (logs / "agent.log").write_text(AGENT_STOPPED_THE_PEER_OF_A_SHELL)
-    evidence = gather_evidence(JobOutputs(tmp_path), exit_code=1)
+    evidence = gather_evidence(JobOutputs(tmp_path), 2, exit_code=1)
     assert evidence.rank_exits == {0: -15, 1: 137} and evidence.stopped_by_agent == {0}
     assert classify(evidence).summary == (
         "rank 1 exited with code 137 (128 + 9: its program was killed by SIGKILL (signal 9))"
@@ -590,6 +590,6 @@ def test_without_the_agents_summary_the_ranks_pids_come_from_their_heartbeats(tm
     (outputs.logs / "agent.log").write_text("json.decoder.JSONDecodeError: Expecting value: line 1 column 1\n")
     for rank, pid, host in [(0, 50, socket.gethostname()), (1, 123, socket.gethostname()), (2, 9, "another-node")]:
         write_heartbeat(outputs, RankBeat(rank, Phase.TRAINING.value, 2, 0.0, None, pid, host, 1))
-    assert gather_evidence(outputs, exit_code=1).rank_pids == {0: 50, 1: 123}
+    assert gather_evidence(outputs, 2, exit_code=1).rank_pids == {0: 50, 1: 123}
     (outputs.logs / "agent.log").write_text(AGENT_SUMMARY)
-    assert gather_evidence(outputs, exit_code=1).rank_pids[1] == 22250, "the agent's summary, where there is one"
+    assert gather_evidence(outputs, 2, exit_code=1).rank_pids[1] == 22250, "the agent's summary, where there is one"

@@ -156,7 +156,7 @@ def test_a_reporting_script_shows_its_step_and_metrics_in_status_the_api_and_ten
     assert [record["step"] for record in series] == list(range(8))
     assert series[-1]["score"] == pytest.approx(final_values(tmp_path / "reports")[0]["value"])
     assert list((tmp_path / "reports" / "tensorboard").glob("events.out.tfevents.*"))
-    beats = read_heartbeats(JobOutputs.at(tmp_path / "reports"))
+    beats = read_heartbeats(JobOutputs.at(tmp_path / "reports"), 2)
     expected = {"total_steps": 8.0, "score": series[-1]["score"], "rank_value": 1.0, "node": 0.0}
     assert beats[1].metrics == expected
 
@@ -175,7 +175,7 @@ def test_a_script_that_stops_reporting_is_a_hang_with_every_rank_s_stacks(tmp_pa
 
 def test_a_script_that_never_reports_is_alive_and_never_hung(tmp_path: Path) -> None:
     job_id = submit(session_job(tmp_path, "silent", "sleep 9", limits={"hang_timeout": 5}))
-    beats = wait_for(lambda: len(b := read_heartbeats(JobOutputs.at(tmp_path / "silent"))) == 2 and b, 30, "beats")
+    beats = wait_for(lambda: len(b := read_heartbeats(JobOutputs.at(tmp_path / "silent"), 2)) == 2 and b, 30, "beats")
     assert {beat.phase for beat in beats.values()} == {"running"}
     assert ended(job_id) == "SUCCEEDED", status(job_id)
 
@@ -188,7 +188,7 @@ def test_a_rank_killed_mid_run_is_retried_from_the_last_complete_checkpoint_exac
     job_id = submit(session_job(tmp_path, "killed", command, limits={"max_retries": 1}))
     out = JobOutputs.at(tmp_path / "killed")
     wait_for(lambda: list(out.checkpoints.glob("step-*")), 60, "a published checkpoint")
-    os.kill(read_heartbeats(out)[1].pid, signal.SIGKILL)
+    os.kill(read_heartbeats(out, 2)[1].pid, signal.SIGKILL)
     assert ended(job_id) == "SUCCEEDED", status(job_id)
     job = open_store().get(job_id)
     assert job.attempt == 2
@@ -268,7 +268,7 @@ def test_the_keras_callback_checkpoints_each_epoch_and_a_restarted_fit_resumes(t
 def test_a_cancel_reaches_should_stop_and_the_script_checkpoints_before_it_ends(tmp_path: Path) -> None:
     job_id = submit(session_job(tmp_path, "cancelled", "python session_user.py --steps 1000 --every 1000 --sleep 0.2"))
     out = JobOutputs.at(tmp_path / "cancelled")
-    wait_for(lambda: any(beat.step >= 2 for beat in read_heartbeats(out).values()), 60, "step 2")
+    wait_for(lambda: any(beat.step >= 2 for beat in read_heartbeats(out, 2).values()), 60, "step 2")
     assert run_cli("cancel", job_id).returncode == 0
     assert ended(job_id) == "CANCELLED"
     logs = "\n".join(path.read_text() for path in sorted(out.logs.glob("rank-*.log")))

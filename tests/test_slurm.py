@@ -350,7 +350,7 @@ def test_a_session_script_stops_on_the_time_limit_signal_checkpoints_and_resumes
     spec = session_job(tmp_path, "stopped", command, resources={"instance_count": 1, "backend": "slurm"})
     launcher = _launch(spec, tmp_path)
     try:
-        wait_for(lambda: any(beat.step >= 2 for beat in read_heartbeats(JobOutputs.at(out)).values()), 240, "step 2")
+        wait_for(lambda: any(beat.step >= 2 for beat in read_heartbeats(JobOutputs.at(out), 2).values()), 240, "step 2")
         output = _signal_requeue_and_finish(slurm, launcher)
     finally:
         if launcher.poll() is None:

@@ -350,6 +350,19 @@ ELASTIC_MISTAKES = [
         {"max_restarts": 3},
         "resources.instance_count is 1:2 but the local backend runs on one machine",
     ),
+    # A range of 10^8 nodes took 7.7 s of the server's CPU to check (and 10^12 would have taken a day).
+    (
+        {"instance_count": "1:100000000"},
+        {"max_restarts": 3},
+        "resources.instance_count: '1:100000000' is more than 65,536 nodes; give at most 65,536",
+    ),
+    ({"instance_count": "1:" + "9" * 5000}, {"max_restarts": 3}, "is more than 65,536 nodes"),
+    (
+        {"instance_count": 1024},
+        {"process_count_per_instance": 128},
+        "resources.instance_count = 1024 with distribution.process_count_per_instance = 128 is 131,072 ranks; a job "
+        "has at most 65,536",
+    ),
 ]
 
 

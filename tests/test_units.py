@@ -144,7 +144,7 @@ def test_log_follower_labels_lines_and_follows_rotation(tmp_path: Path) -> None:
     from clusterfit.monitoring.logtail import LogFollower
 
     (tmp_path / "rank-0.log").write_text("from an earlier run\n")
-    follower = LogFollower(tmp_path)  # earlier runs' lines are not shown again
+    follower = LogFollower(tmp_path, 2)  # earlier runs' lines are not shown again
     with open(tmp_path / "rank-0.log", "a") as f:
         f.write("step 1\nhalf a li")
     (tmp_path / "rank-1.log").write_text("ready\n")
@@ -166,9 +166,10 @@ def test_heartbeat_file_ends_at_the_last_step_when_steps_come_faster_than_writes
         for step in (1, 2, 3):
             heartbeat.beat(Phase.TRAINING, step)
         last_step_at = time.time()
-        assert read_heartbeats(JobOutputs(tmp_path))[0].step == 1  # the first beat is written at once, the others wait
+        # The first beat is written at once, the others wait.
+        assert read_heartbeats(JobOutputs(tmp_path), 1)[0].step == 1
         outputs = JobOutputs(tmp_path)
-        beat = wait_for(lambda: (beat := read_heartbeats(outputs)[0]).step == 3 and beat, 10, "the last step")
+        beat = wait_for(lambda: (beat := read_heartbeats(outputs, 1)[0]).step == 3 and beat, 10, "the last step")
         assert beat.time <= last_step_at  # the step's own time, not the later write's
         assert beat.images_per_s is not None and beat.images_per_s > 0
     finally:
@@ -399,7 +400,7 @@ def test_what_the_job_service_reads_of_a_job_s_files_is_bounded_whatever_their_s
     try:
         series = metrics_series(job, limit=2000)
         membership = node_membership(job)
-        heartbeats, summary = read_heartbeats(outputs), read_summary(outputs)
+        heartbeats, summary = read_heartbeats(outputs, 2), read_summary(outputs)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -116,7 +116,7 @@ def _run_in_foreground(spec: JobSpec) -> None:
     # NOTE: a process started in the background by a non-interactive shell inherits SIGINT ignored, and Python
     # then never raises KeyboardInterrupt: Ctrl-C (or `kill -INT`) must cancel the job however it was started.
     signal.signal(signal.SIGINT, _interrupt)
-    with LiveView(out, console) as view:
+    with LiveView(out, spec.world_size, console) as view:
         say = partial(view.bar.console.print, markup=False, highlight=False, soft_wrap=True)
         final = Supervisor(store, job.id, poll_s=0.2, on_tick=view.tick, log=say).run()
     schedule(store)  # the machine is free again for queued jobs

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from clusterfit.outputs.logs import is_followed_log, log_label, log_order
+from clusterfit.outputs.logs import followed_logs, log_label
 
 
 @dataclass
@@ -28,13 +28,14 @@ class LogFollower:
     def __init__(
         self,
         log_dir: Path,
+        world_size: int,
         from_start: bool = False,
         *,
         ranks: set[int] | None = None,
         agent: bool = True,
         node_of: Callable[[int], str | None] | None = None,
     ) -> None:
-        self.log_dir = log_dir
+        self.log_dir, self.world_size = log_dir, world_size
         self.ranks = ranks  # None: every rank (and the agent, with `agent`); else only these ranks
         self.agent = agent
         self.node_of = node_of  # rank -> host, to label lines "rank1@host" when known
@@ -45,7 +46,7 @@ class LogFollower:
 
     def poll(self) -> list[str]:
         lines: list[str] = []
-        for name, path in sorted(self._current_files().items(), key=lambda item: log_order(item[0])):
+        for name, path in self._current_files().items():
             label = f"[{self._label(name)}] "
             entry = self._open.get(name)
             if entry is not None and _inode(path) != entry.inode:  # rotated: finish the old file first
@@ -67,9 +68,8 @@ class LogFollower:
         return lines
 
     def _current_files(self) -> dict[str, Path]:
-        if not self.log_dir.is_dir():
-            return {}
-        return {p.name: p for p in self.log_dir.iterdir() if is_followed_log(p.name, self.ranks, agent=self.agent)}
+        names = followed_logs(self.log_dir, self.world_size, self.ranks, agent=self.agent)
+        return {name: self.log_dir / name for name in names}
 
     def _label(self, name: str) -> str:
         return log_label(name, self.node_of)

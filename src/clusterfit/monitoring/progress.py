@@ -22,8 +22,8 @@ class LiveView:
     Tracebacks are held back (see HeldTracebacks): after the job, `release_tracebacks()` shows them when it
     succeeded, `held_tracebacks()` names the ranks whose tracebacks a failed job's console leaves out."""
 
-    def __init__(self, outputs: JobOutputs, console: Console) -> None:
-        self.logs = LogFollower(outputs.logs, agent=False)
+    def __init__(self, outputs: JobOutputs, world_size: int, console: Console) -> None:
+        self.logs = LogFollower(outputs.logs, world_size, agent=False)
         self.tracebacks = HeldTracebacks()
         self.metrics = MetricsTail(outputs.metrics)
         columns = (

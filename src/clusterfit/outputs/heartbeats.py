@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import fnmatch
 import json
 import os
 from dataclasses import asdict, dataclass
 
 from clusterfit.files import open_beneath, read_whole_regular, write_atomically
-from clusterfit.outputs.layout import JobOutputs
+from clusterfit.outputs.layout import JobOutputs, heartbeat_name, rank_files
 
 _LARGEST_BEAT = 64 * 1024  # a rank's heartbeat is a few hundred bytes; a job writes the file
 
@@ -61,14 +60,13 @@ def write_heartbeat(outputs: JobOutputs, beat: RankBeat) -> None:
     write_atomically(outputs.heartbeat(beat.rank), json.dumps(record))
 
 
-def read_heartbeats(outputs: JobOutputs, attempt: int | None = None) -> dict[int, RankBeat]:
-    """rank -> its newest heartbeat (of `attempt` only, when given); unreadable files are skipped."""
+def read_heartbeats(outputs: JobOutputs, world_size: int, attempt: int | None = None) -> dict[int, RankBeat]:
+    """rank -> its newest heartbeat, for ranks 0..world_size-1 (of `attempt` only, when given); unreadable
+    files are skipped."""
     beats: dict[int, RankBeat] = {}
-    folder = outputs.heartbeats
-    for path in folder.glob("rank-*.json") if folder.is_dir() else []:
+    for rank, path in rank_files(outputs.heartbeats, heartbeat_name, world_size).items():
         try:
-            record = json.loads(read_whole_regular(path, _LARGEST_BEAT))
-            beat = RankBeat(rank=int(path.stem.split("-", 1)[1]), **record)
+            beat = RankBeat(rank=rank, **json.loads(read_whole_regular(path, _LARGEST_BEAT)))
         except (OSError, ValueError, TypeError):
             continue
         if attempt is None or beat.attempt == attempt:
@@ -76,7 +74,7 @@ def read_heartbeats(outputs: JobOutputs, attempt: int | None = None) -> dict[int
     return beats
 
 
-def clear_heartbeats(outputs: JobOutputs) -> None:
+def clear_heartbeats(outputs: JobOutputs, world_size: int) -> None:
     """Before an attempt: the last attempt's heartbeats go. The folder is opened without following a link (a
     root job service clears the folders of jobs that run as other accounts)."""
     try:
@@ -84,8 +82,8 @@ def clear_heartbeats(outputs: JobOutputs) -> None:
     except OSError:
         return  # none yet, or not a folder of the job's
     try:
-        for name in fnmatch.filter(os.listdir(folder), "rank-*.json"):
+        for rank in range(world_size):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(name, dir_fd=folder)
+                os.unlink(heartbeat_name(rank), dir_fd=folder)
     finally:
         os.close(folder)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,7 +81,7 @@ class JobOutputs:
         return self.root / HEARTBEAT_DIR
 
     def heartbeat(self, rank: int) -> Path:
-        return self.heartbeats / f"rank-{rank}.json"
+        return self.heartbeats / heartbeat_name(rank)
 
     @property
     def checkpoints(self) -> Path:
@@ -124,6 +126,17 @@ class JobOutputs:
 
 def rank_log_name(rank: int) -> str:
     return f"rank-{rank}.log"
+
+
+def heartbeat_name(rank: int) -> str:
+    return f"rank-{rank}.json"
+
+
+def rank_files(folder: Path, name_of: Callable[[int], str], world_size: int) -> dict[int, Path]:
+    """rank -> its file in `folder`, for each of a job's ranks whose file is there (a link too: readers refuse
+    it). Found by name, never by listing the folder: a job may fill its folders with any number of files, and
+    the job service reads them at every status and every second of a run."""
+    return {rank: path for rank in range(world_size) if os.path.lexists(path := folder / name_of(rank))}
 
 
 def rank_error_file_name(rank: int) -> str:

@@ -8,10 +8,9 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from clusterfit.outputs.layout import AGENT_LOG
+from clusterfit.outputs.layout import AGENT_LOG, rank_files, rank_log_name
 
 _CURRENT_RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
-_RANK_ERROR_FILE = re.compile(r"^rank-(\d+)\.error\.json$")
 
 
 def rank_of_log(name: str) -> int | None:
@@ -20,24 +19,11 @@ def rank_of_log(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def rank_of_error_file(name: str) -> int | None:
-    match = _RANK_ERROR_FILE.match(name)
-    return int(match.group(1)) if match else None
-
-
-def is_followed_log(name: str, ranks: set[int] | None, *, agent: bool = True) -> bool:
-    """Whether a follower shows this file: with `ranks` None every rank's current log (and the agent's, with
-    `agent`); else only those ranks' logs."""
-    rank = rank_of_log(name)
-    if ranks is None:
-        return rank is not None or (agent and name == AGENT_LOG)
-    return rank is not None and rank in ranks
-
-
-def log_order(name: str) -> int:
-    """Sort key: the agent's log first, then ranks in order."""
-    rank = rank_of_log(name)
-    return -1 if rank is None else rank
+def followed_logs(log_dir: Path, world_size: int, ranks: set[int] | None = None, *, agent: bool = True) -> list[str]:
+    """The logs a follower shows, in order: with `ranks` None every rank's current log (after the agent's, with
+    `agent`); else only those ranks' logs. Of ranks 0..world_size-1 only, found by name (`rank_files`)."""
+    names = [path.name for rank, path in rank_logs(log_dir, world_size).items() if ranks is None or rank in ranks]
+    return [AGENT_LOG, *names] if agent and ranks is None and (log_dir / AGENT_LOG).exists() else names
 
 
 def log_label(name: str, node_of: Callable[[int], str | None] | None = None) -> str:
@@ -49,11 +35,9 @@ def log_label(name: str, node_of: Callable[[int], str | None] | None = None) -> 
     return f"rank{rank}@{node}" if node else f"rank{rank}"
 
 
-def rank_logs(log_dir: Path) -> dict[int, Path]:
-    """rank -> its current log file."""
-    if not log_dir.is_dir():
-        return {}
-    return {rank: path for path in log_dir.iterdir() if (rank := rank_of_log(path.name)) is not None}
+def rank_logs(log_dir: Path, world_size: int) -> dict[int, Path]:
+    """rank -> its current log file, for ranks 0..world_size-1."""
+    return rank_files(log_dir, rank_log_name, world_size)
 
 
 def rotate(path: Path) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 from clusterfit.errors import ClusterfitError, DataError, SpecError
 from clusterfit.files import read_regular, read_whole_regular
 from clusterfit.outputs import JobOutputs, read_heartbeats
-from clusterfit.outputs.logs import rank_logs, rank_of_error_file
+from clusterfit.outputs.layout import rank_error_file_name, rank_files
+from clusterfit.outputs.logs import rank_logs
 from clusterfit.service.states import FailureCause
 
 _LARGEST_ERROR_FILE = 4 * 1024 * 1024  # torchrun's error file with a deep traceback is a few hundred kB
@@ -154,13 +155,13 @@ def failure_for_error(error: Exception, engine: str = "") -> Failure:
     return Failure(FailureCause.ENGINE, said)
 
 
-def fatal_in_logs(outputs: JobOutputs) -> Failure | None:
+def fatal_in_logs(outputs: JobOutputs, world_size: int) -> Failure | None:
     """A failure the built-in trainer never recovers from, seen in a rank's log while the job still runs.
 
     NOTE: a DataLoader batch that does not fit in /dev/shm can fail inside multiprocessing's queue feeder thread,
     which prints the error and drops the batch: the rank then waits for it until the collective timeout (ten
     minutes by default) instead of failing. Reading it in the log ends such a job within seconds."""
-    for rank, path in sorted(rank_logs(outputs.logs).items()):
+    for rank, path in rank_logs(outputs.logs, world_size).items():
         if _out_of_shared_memory(tuple(tail_lines(path, _TAIL_LINES))):
             return _shm_failure(rank)
     return None
@@ -208,7 +209,7 @@ def _last(evidence: Evidence, rank: int) -> str:
 
 
 def gather_evidence(
-    outputs: JobOutputs, exit_code: int | None, oom_kills: int = 0, agent_log_start: int = 0
+    outputs: JobOutputs, world_size: int, exit_code: int | None, oom_kills: int = 0, agent_log_start: int = 0
 ) -> Evidence:
     """`agent_log_start`: the agent log's size when the attempt began; the log is shared by every attempt and,
     on several nodes, by every node's agent."""
@@ -217,14 +218,14 @@ def gather_evidence(
     exits, root_rank, stopped_by_agent, pids = _agent_rank_exits(agent_lines)
     if not pids:  # no summary from the agent: the pids the ranks on this node gave in their heartbeats
         host = socket.gethostname()
-        pids = {rank: beat.pid for rank, beat in read_heartbeats(outputs).items() if beat.host == host}
+        pids = {rank: beat.pid for rank, beat in read_heartbeats(outputs, world_size).items() if beat.host == host}
     return Evidence(
         exit_code=exit_code,
-        exceptions=tuple(_exceptions(log_dir)),
+        exceptions=tuple(_exceptions(log_dir, world_size)),
         rank_exits=exits,
         root_rank=root_rank,
         stopped_by_agent=stopped_by_agent,
-        log_tails={rank: tuple(tail_lines(path, _TAIL_LINES)) for rank, path in rank_logs(log_dir).items()},
+        log_tails={rank: tuple(tail_lines(path, _TAIL_LINES)) for rank, path in rank_logs(log_dir, world_size).items()},
         agent_tail=tuple(agent_lines[-_TAIL_LINES:]),
         oom_kills=oom_kills,
         rank_pids=pids,
@@ -240,15 +241,14 @@ def tail_lines(path: Path, count: int, max_bytes: int = 64 * 1024) -> list[str]:
     return data.decode(errors="replace").splitlines()[-count:]
 
 
-def _exceptions(log_dir: Path) -> list[RankException]:
+def _exceptions(log_dir: Path, world_size: int) -> list[RankException]:
     found: list[RankException] = []
-    for path in log_dir.glob("rank-*.error.json") if log_dir.is_dir() else []:
-        rank = rank_of_error_file(path.name)
+    for rank, path in rank_files(log_dir, rank_error_file_name, world_size).items():
         try:
             record = json.loads(read_whole_regular(path, _LARGEST_ERROR_FILE))["message"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if rank is None or not isinstance(record, dict):
+        if not isinstance(record, dict):
             continue
         message = " ".join(str(record.get("message", "")).split())
         extra = record.get("extraInfo", {}) or {}

@@ -201,11 +201,12 @@ class LocalJobs:
     def logs(self, job_id: str, cursor: str | None = None, rank: int | None = None) -> dict[str, Any]:
         job = self._readable(job_id)
         outputs = JobOutputs.at(job.outputs_dir)
-        beats = read_heartbeats(outputs)
+        beats = read_heartbeats(outputs, job.ranks)
         ended = job.job_state.is_terminal  # read before the files: whatever the job wrote last is in them
         chunk = read_logs(
             outputs.logs,
             cursor,
+            job.ranks,
             ranks=None if rank is None else {rank},
             node_of=lambda number: beats[number].host if number in beats else None,
             final=ended,

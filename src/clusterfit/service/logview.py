@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from clusterfit.files import read_regular
-from clusterfit.outputs.logs import is_followed_log, log_label, log_order
+from clusterfit.outputs.logs import followed_logs, log_label
 
 _CHUNK_BYTES = 256 * 1024  # per file and request: a huge log arrives in pieces instead of one giant response
 # All files of one answer together, and how many files one answer reads: a job with thousands of logs (or one
@@ -44,6 +44,7 @@ def parse_cursor(cursor: str | None) -> dict[str, int]:
 def read_logs(
     log_dir: Path,
     cursor: str | None,
+    world_size: int,
     *,
     ranks: set[int] | None = None,
     node_of: Callable[[int], str | None] | None = None,
@@ -52,8 +53,7 @@ def read_logs(
     """New complete lines of every wanted log after `cursor`; with `final` (the job ended) a last line without
     a newline is included too. A file that shrank was rotated by a restart: it is read again from its start."""
     offsets = parse_cursor(cursor)
-    names = [path.name for path in log_dir.iterdir() if is_followed_log(path.name, ranks)] if log_dir.is_dir() else []
-    ordered = sorted(names, key=log_order)
+    ordered = followed_logs(log_dir, world_size, ranks)
     turn = offsets.pop(_TURN, 0) % len(ordered) if ordered else 0
     served = (ordered[turn:] + ordered[:turn])[:_FILES_PER_ANSWER]
     if len(ordered) > len(served):

@@ -195,7 +195,7 @@ class Supervisor:
         env = {**spec.environment_variables, ATTEMPT_ENV: str(attempt)}
         spec = spec.model_copy(update={"environment_variables": env})
         outputs = JobOutputs.at(spec.outputs.dir)
-        clear_heartbeats(outputs)
+        clear_heartbeats(outputs, spec.world_size)
         backend = get_backend(spec.resources.backend)
         ooms_before = oom_kill_count()
         agent_log = outputs.agent_log
@@ -226,7 +226,7 @@ class Supervisor:
             return outcome, Failure(FailureCause.HANG, detail)
         if code == 0:
             return Outcome.SUCCEEDED, None
-        evidence = gather_evidence(outputs, code, oom_kill_count() - ooms_before, agent_log_start)
+        evidence = gather_evidence(outputs, spec.world_size, code, oom_kill_count() - ooms_before, agent_log_start)
         return Outcome.FAILED, classify(evidence)
 
     def _watch(
@@ -241,7 +241,7 @@ class Supervisor:
             code = handle.poll()
             if code is not None and ended is not None:
                 ended()  # what the ranks wrote last, before it is read: a short job may have ended unseen
-            beats = read_heartbeats(outputs, attempt)
+            beats = read_heartbeats(outputs, spec.world_size, attempt)
             for record in metrics.read_new():
                 progress.update(_progress_fields(record))
             # A command job writes no heartbeats: it runs as soon as its engine has it.
@@ -257,7 +257,7 @@ class Supervisor:
                 self._record_progress(job_id, progress, beats)
                 recorded_at = now
                 # Command jobs are left alone: a user's program may survive what would stop the trainer.
-                doomed = fatal_in_logs(outputs) if spec.trainer is not None and code is None else None
+                doomed = fatal_in_logs(outputs, spec.world_size) if spec.trainer is not None and code is None else None
             if self.on_tick:
                 self.on_tick()
             if code is not None:
@@ -265,29 +265,35 @@ class Supervisor:
             if self.store.get(job_id).cancel_requested_at is not None:
                 self.log(f"job {job_id}: cancel requested; stopping every process")
                 handle.cancel()
-                step = self._record_last_progress(job_id, progress, metrics, outputs, attempt)
+                step = self._record_last_progress(job_id, progress, metrics, outputs, attempt, spec.world_size)
                 return Outcome.CANCELLED, f"at step {step}"
             if doomed:  # the cause is read again from the logs once every process is stopped
                 self.log(f"job {job_id}: {doomed.summary}; stopping every process")
                 handle.cancel()
-                self._record_last_progress(job_id, progress, metrics, outputs, attempt)
+                self._record_last_progress(job_id, progress, metrics, outputs, attempt, spec.world_size)
                 return Outcome.FAILED, doomed.summary
             hung = _hang(beats, spec.limits.hang_timeout, now) if running else None
             if hung:
                 time.sleep(_HANG_GRACE_S)
                 self.log(f"job {job_id}: {hung}; stopping every process")
                 handle.cancel()
-                self._record_last_progress(job_id, progress, metrics, outputs, attempt)
+                self._record_last_progress(job_id, progress, metrics, outputs, attempt, spec.world_size)
                 return Outcome.HUNG, hung
             time.sleep(self.poll_s)
 
     def _record_last_progress(
-        self, job_id: str, progress: dict[str, object], metrics: MetricsTail, outputs: JobOutputs, attempt: int
+        self,
+        job_id: str,
+        progress: dict[str, object],
+        metrics: MetricsTail,
+        outputs: JobOutputs,
+        attempt: int,
+        world_size: int,
     ) -> int:
         """What the stopped ranks wrote last, so that status, the cancel note and the ranks' health agree."""
         for record in metrics.read_new():
             progress.update(_progress_fields(record))
-        return self._record_progress(job_id, progress, read_heartbeats(outputs, attempt))
+        return self._record_progress(job_id, progress, read_heartbeats(outputs, world_size, attempt))
 
     def _record_progress(self, job_id: str, progress: dict[str, object], beats: dict[int, RankBeat]) -> int:
         """Stores the job's progress; returns its step."""

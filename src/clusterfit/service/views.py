@@ -61,7 +61,7 @@ def rank_health(job: Job) -> list[dict[str, Any]]:
     """Each rank's newest heartbeat of the current attempt and how old it is."""
     now = time.time()
     rows = []
-    for rank, beat in sorted(read_heartbeats(JobOutputs.at(job.outputs_dir), job.attempt or None).items()):
+    for rank, beat in sorted(read_heartbeats(JobOutputs.at(job.outputs_dir), job.ranks, job.attempt or None).items()):
         age = now - beat.time
         if not job.job_state.is_active:
             health = "ended"

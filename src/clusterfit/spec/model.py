@@ -501,12 +501,24 @@ class KubernetesSpec(_Strict):
     )
 
 
+# The most ranks (and so nodes) a job may have: what reads a job's files goes through its ranks one by one, and
+# the spec's own checks through its node counts. Far above the largest jobs torchrun's rendezvous serves.
+MAX_RANKS = 65_536
+
+
 def node_range(value: object) -> tuple[int, int]:
     """`instance_count` as (fewest, most) nodes: 4 is (4, 4), "2:4" an elastic job of 2 to 4 nodes."""
     text = "" if isinstance(value, bool) else str(value).strip()
     low, colon, high = text.partition(":")
     high = high if colon else low
-    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+    if not (low.isascii() and low.isdigit() and high.isascii() and high.isdigit()):
+        raise ValueError(
+            f"{value!r} is neither a node count nor MIN:MAX; give a whole number of at least 1, or MIN:MAX with "
+            "1 <= MIN <= MAX for an elastic job (for example 1:4)"
+        )
+    if max(len(low.lstrip("0")), len(high.lstrip("0"))) > len(str(MAX_RANKS)) or int(high) > MAX_RANKS:
+        raise ValueError(f"{str(value)[:40]!r} is more than {MAX_RANKS:,} nodes; give at most {MAX_RANKS:,}")
+    if not 1 <= int(low) <= int(high):
         raise ValueError(
             f"{value!r} is neither a node count nor MIN:MAX; give a whole number of at least 1, or MIN:MAX with "
             "1 <= MIN <= MAX for an elastic job (for example 1:4)"
@@ -688,6 +700,16 @@ class JobSpec(_Strict):
             raise ValueError(
                 f"distribution.type = {self.distribution.type!r}: the built-in {given[0]} runs as pytorch; "
                 "set distribution.type: pytorch"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _ranks_within_bounds(self) -> JobSpec:
+        if self.world_size > MAX_RANKS:
+            raise ValueError(
+                f"resources.instance_count = {self.resources.instance_count!r} with "
+                f"distribution.process_count_per_instance = {self.distribution.process_count_per_instance} is "
+                f"{self.world_size:,} ranks; a job has at most {MAX_RANKS:,}"
             )
         return self
 
