@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from services import skip_reason
 from torch.utils.data import DataLoader
 
+from clusterfit.data import staging
 from clusterfit.data.shardreader import ShardTrainSamples, as_is
 from clusterfit.data.shards import PackedIndex, pack_folder, read_index, read_remote_index
 from clusterfit.data.staging import (
@@ -142,8 +143,14 @@ def test_interrupted_staging_resumes_after_the_service_restarts(azurite: Azurite
     assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()} == files
 
 
-def test_small_files_in_one_request_each_and_a_large_one_streamed(azurite: Azurite, tmp_path: Path) -> None:
-    """Images come whole, many in flight; a file past the whole-file size streams in ranged reads; both verified."""
+@pytest.mark.parametrize("disk", ["fast", "slow"])
+def test_small_files_in_one_request_each_and_a_large_one_streamed(
+    azurite: Azurite, tmp_path: Path, disk: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Images come whole, many in flight; a file past the whole-file size streams in ranged reads; both verified.
+    On a slow disk (here: any write counts as slow) the writes go to threads after the first."""
+    if disk == "slow":
+        monkeypatch.setattr(staging, "_SLOW_WRITE_S", -1.0)
     source = tmp_path / "mixed"
     for index in range(40):
         (source / f"c{index % 4}").mkdir(parents=True, exist_ok=True)

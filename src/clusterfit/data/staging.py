@@ -267,6 +267,12 @@ def _changed_while_copied(url: str, remote: str, got: int, listed: int) -> NoRet
     raise StagingError(f"{url}: {remote} has {got} bytes, the listing said {listed}; run again", retryable=True)
 
 
+# A file's write (and hash) that takes longer than this, on a network file system or a busy disk, would hold up
+# every transfer on the event loop's thread: from then on the writes go to threads. Below it, handing each file
+# to a thread and back cost more than the write: 0.13 s of CPU per 1,000 files of 110 KB (benchmarks/RESULTS.md).
+_SLOW_WRITE_S = 0.002
+
+
 def _fetch_concurrently(
     fs: Any,
     folder: str,
@@ -276,11 +282,11 @@ def _fetch_concurrently(
     creds: Credentials,
     keep: Callable[[str, bytes], None],
 ) -> None:
-    """Each file in one GET, `concurrency` of them in flight on the filesystem's event loop, each handed to
-    `keep` (hashing and writing) on a thread as it arrives. A thread per transfer through fsspec's blocking
-    wrapper (and a HEAD request per file to open it) capped small files at a third of what the store serves.
-    Returns, or raises the first error, only once no `keep` runs any more: the caller's journal and lock
-    outlive every write into the cache."""
+    """Each file in one GET, `concurrency` of them in flight on the filesystem's event loop, each given to `keep`
+    (hashing and writing) as it arrives: on the loop's thread while writes are fast, on threads once one is slow
+    (`_SLOW_WRITE_S`). A thread per transfer through fsspec's blocking wrapper (and a HEAD request per file to
+    open it) capped small files at a third of what the store serves. Returns, or raises the first error, only
+    once no `keep` runs any more: the caller's journal and lock outlive every write into the cache."""
     if not items:
         return
     from fsspec.asyn import sync
@@ -288,8 +294,10 @@ def _fetch_concurrently(
     async def fetch_all(writers: ThreadPoolExecutor) -> None:
         pending = iter(items)
         loop = asyncio.get_running_loop()
+        slow_disk = False
 
         async def fetcher() -> None:
+            nonlocal slow_disk
             for rel, size in pending:  # one iterator shared by every fetcher: each file is taken once
                 try:
                     # At most a byte more than listed: an object that grew since is caught, not held whole (an
@@ -298,7 +306,12 @@ def _fetch_concurrently(
                     body = await fs._cat_file(f"{folder}/{rel}", start=0 if size else None, end=end)
                 except Exception as exc:  # noqa: BLE001 - connection errors of every backend
                     raise _copy_stopped(url, rel, exc, creds) from None
-                await loop.run_in_executor(writers, keep, rel, body)
+                if slow_disk:
+                    await loop.run_in_executor(writers, keep, rel, body)
+                    continue
+                started = time.perf_counter()
+                keep(rel, body)
+                slow_disk = slow_disk or time.perf_counter() - started > _SLOW_WRITE_S
 
         fetchers = [asyncio.ensure_future(fetcher()) for _ in range(max(1, min(concurrency, len(items))))]
         try:
