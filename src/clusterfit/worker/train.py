@@ -36,11 +36,11 @@ from clusterfit.worker.evaluate import evaluate
 from clusterfit.worker.export import export_model
 from clusterfit.worker.faults import fault_from_env
 from clusterfit.worker.heartbeat import Heartbeat
-from clusterfit.worker.inputs import InputWatch
+from clusterfit.worker.inputs import InputWatch, take_reads
 from clusterfit.worker.optim import build_optimizer, build_schedule, match_kernel_to_parameters, scaled_lr
 from clusterfit.worker.parallel import Accumulation, Strategy, parallelize
 from clusterfit.worker.precision import Precision, make_grad_scaler, resolve_precision
-from clusterfit.worker.stop_signal import StoppedForRequeue, StopSignal
+from clusterfit.worker.stop_signal import StoppedForRequeue, StopRequest
 from clusterfit.worker.stopping import EarlyStop, best_record, early_stop, is_new_best
 
 log = logging.getLogger("clusterfit.train")
@@ -88,8 +88,14 @@ class LossMeter:
 
     def read(self, env: DistEnv, device: torch.device, global_batch: int) -> dict[str, float]:
         """Collective: the loss is averaged over every rank."""
+        return self.summary(*all_reduce_sum(self.local_loss(), env, device), global_batch)
+
+    def local_loss(self) -> list[float]:
+        """[sum of this rank's losses, their count], to be summed over every rank for `summary`."""
+        return [float(self.loss_sum), float(self.losses)]
+
+    def summary(self, total_loss: float, total_losses: float, global_batch: int) -> dict[str, float]:
         elapsed = max(time.perf_counter() - self.started, 1e-9)
-        total_loss, total_losses = all_reduce_sum([float(self.loss_sum), float(self.losses)], env, device)
         return {
             "loss": total_loss / max(1.0, total_losses),
             "images_per_s": global_batch * self.steps / elapsed,
@@ -188,7 +194,7 @@ class Trainer:
             device=self.device,
         )
         self.sinks = open_metric_sinks(self.out, env.is_main)
-        self.stop_signal = StopSignal(env, self.device)
+        self.stop_request = StopRequest()
         self.heartbeat = Heartbeat(self.out, env.rank, spec.limits.hang_timeout, self.cfg.batch_size)
         self.fault = fault_from_env()
 
@@ -296,11 +302,11 @@ class Trainer:
                 self.fault.trigger(self.env.rank, progress.global_step)
             end_of_epoch = progress.step_in_epoch == self.steps_per_epoch
             if progress.global_step % self.cfg.log_every_steps == 0 or end_of_epoch:
-                self._log_interval(interval)
+                stop = self._log_interval(interval)
                 interval = LossMeter()
-                # Checked at log steps only (a collective every step would stall GPUs for one flag), and not at
-                # an epoch's end, which run() checkpoints after validation.
-                if not end_of_epoch and self.stop_signal.agreed():
+                # Agreed at log steps only (a collective every step would stall GPUs for one flag), and acted on
+                # before an epoch's end only: run() checkpoints that after validation.
+                if stop and not end_of_epoch:
                     self._save_checkpoint()
                     raise StoppedForRequeue
             # The epoch's last step is checkpointed by run(), after validation.
@@ -362,8 +368,19 @@ class Trainer:
         self.inputs.sync([self.train_data, self.val_loader])
         self.progress.inputs = self.inputs.tally.to_dict()
 
-    def _log_interval(self, interval: LossMeter) -> None:
-        self._sync_inputs()
+    def _log_interval(self, interval: LossMeter) -> bool:
+        """Collective, in one all-reduce: the interval's loss over every rank, the skipped input files merged
+        and whether any rank was asked to stop (Slurm's signal before the time limit, which reaches the ranks at
+        different steps); writes the train record. Returns whether every rank stops here. Three all-reduces,
+        each a synchronisation with the device on GPUs, were one."""
+        mine = take_reads([self.train_data, self.val_loader])
+        stop = 1.0 if self.stop_request.received else 0.0
+        totals = all_reduce_sum(
+            [*interval.local_loss(), float(mine[0]), float(len(mine[1])), stop], self.env, self.device
+        )
+        total_loss, total_losses, total_reads, total_bad, stops = totals
+        self.inputs.merge(mine, total_reads, total_bad)
+        self.progress.inputs = self.inputs.tally.to_dict()
         progress = self.progress
         record = {
             "kind": RecordKind.TRAIN,
@@ -372,7 +389,7 @@ class Trainer:
             "total_steps": self.total_steps,
             "lr": self.scheduler.get_last_lr()[0],
             "time": time.time(),
-            **interval.read(self.env, self.device, self.global_batch),
+            **interval.summary(total_loss, total_losses, self.global_batch),
         }
         self.sinks.write(record)
         if self.env.is_main:
@@ -387,6 +404,7 @@ class Trainer:
                 record["images_per_s"],
                 100 * record["data_wait"],
             )
+        return stops > 0
 
     def _validate(self) -> dict[str, Any]:
         assert self.val_loader is not None
