@@ -165,6 +165,26 @@ def test_what_the_service_reads_of_a_job_s_folders_is_its_ranks_files_only(tmp_p
     assert not outputs.heartbeat(1).exists() and outputs.heartbeat(2).exists()  # the job's own files stay
 
 
+def test_a_job_s_details_list_at_most_100_checkpoints_and_model_files(tmp_path: Path, service_home: Path) -> None:
+    """A job may make any number of checkpoint folders and model files; `show` lists the newest 100 checkpoints
+    (checking only those for a manifest) and the first 100 model files, not an answer of every one."""
+    from clusterfit.service.records import record_job
+    from clusterfit.spec import validate_spec
+
+    store = open_store()
+    job = record_job(store, validate_spec(tiny_job(tmp_path / "out")), owner="alice")
+    outputs = JobOutputs.at(job.outputs_dir)
+    for step in range(300):
+        (outputs.checkpoints / f"step-{step:08d}").mkdir(parents=True)
+        (outputs.checkpoints / f"step-{step:08d}" / "manifest.json").write_text("{}")
+        (outputs.model / f"file-{step:03d}.bin").parent.mkdir(exist_ok=True)
+        (outputs.model / f"file-{step:03d}.bin").write_bytes(b"")
+    (outputs.checkpoints / "step-99999999").mkdir()  # no manifest: not published, and not counted
+    details = LocalJobs(store, start_jobs=False).details(job.id)
+    assert [Path(path).name for path in details["checkpoints"]] == [f"step-{s:08d}" for s in range(299, 199, -1)]
+    assert [Path(path).name for path in details["model_files"]] == [f"file-{n:03d}.bin" for n in range(100)]
+
+
 def test_a_job_s_file_that_is_a_link_is_not_read_through(tmp_path: Path) -> None:
     """The server (root) reads the files of jobs that run as other accounts: a job's `rank-1.log -> /etc/shadow`
     must show nothing, in the log API or in a cause read from a log's tail; nor may its metrics, heartbeat or

@@ -9,6 +9,7 @@ user scripts of any framework read it; the worker's CheckpointStore writes and l
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -46,12 +47,13 @@ def rank_folder(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-def published(root: Path) -> list[Path]:
-    """Published checkpoints, newest first. Only folders with a manifest count."""
+def published(root: Path, newest: int | None = None) -> list[Path]:
+    """Published checkpoints, newest first (the `newest` of them, when given). Only folders with a manifest
+    count, and only those looked at are checked for one: a job may make any number of folders."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name, reverse=True)
+    candidates = sorted((p for p in root.iterdir() if p.name.startswith(STEP_PREFIX)), key=lambda p: p.name)
+    return list(itertools.islice((p for p in reversed(candidates) if (p / MANIFEST).is_file()), newest))
 
 
 def write_manifest(folder: Path, manifest: dict[str, Any]) -> None:

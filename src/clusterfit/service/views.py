@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import heapq
+import os
 import time
 from dataclasses import asdict
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -121,6 +124,15 @@ def job_status(store: JobStore, job: Job) -> dict[str, Any]:
     }
 
 
+# The most entries of a folder a job writes (its model, its checkpoints) that one answer lists: a job may make
+# millions, and the answer is read by a browser or a terminal.
+_LISTED = 100
+
+
+def _first_names(folder: Path, count: int) -> list[str]:
+    return heapq.nsmallest(count, (entry.name for entry in os.scandir(folder))) if folder.is_dir() else []
+
+
 def job_details(store: JobStore, job: Job) -> dict[str, Any]:
     """`clusterfit show`: the resolved spec, where everything went, the final metrics, the checkpoints."""
     out = JobOutputs.at(job.outputs_dir)
@@ -128,8 +140,8 @@ def job_details(store: JobStore, job: Job) -> dict[str, Any]:
         **job_status(store, job),
         "spec": yaml.safe_load(job.spec_yaml),
         "summary": read_summary(out),
-        "model_files": sorted(str(path) for path in out.model.iterdir()) if out.model.is_dir() else [],
-        "checkpoints": [str(path) for path in published(out.checkpoints)],
+        "model_files": [str(out.model / name) for name in _first_names(out.model, _LISTED)],
+        "checkpoints": [str(path) for path in published(out.checkpoints, newest=_LISTED)],
         "metrics_file": str(out.metrics),
         "tensorboard_dir": str(out.tensorboard),
     }
