@@ -39,7 +39,10 @@ for question in sys.stdin:
 
 
 class RayCluster:
-    def __init__(self) -> None:
+    def __init__(self, python: str | None = None) -> None:
+        # The interpreter Ray's nodes start their workers with (and the tests' driver, whose Python must be the
+        # same version): by default this environment's.
+        self.python = python
         # NOTE: a short folder under /tmp: Ray's Unix socket paths must stay under 108 characters.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="cfray-", dir="/tmp"))
         self.port = free_port()
@@ -53,10 +56,11 @@ class RayCluster:
         """The current environment plus what a launcher needs to join this cluster: the address and the token."""
         return {**os.environ, **self.auth, "RAY_ADDRESS": self.address, "COLUMNS": "200", **extra}
 
-    def start(self) -> None:
+    def start(self, nodes: int = 2) -> None:
         self._start_node("head", self._head_args())
         self._wait_for_nodes(1)
-        self.add_node()
+        for _ in range(nodes - 1):
+            self.add_node()
 
     def add_node(self) -> subprocess.Popen[bytes]:
         """One more node (as a replaced spot VM would join), once Ray counts it alive."""
@@ -115,7 +119,7 @@ class RayCluster:
         head still starting) is started again next time; None when it does not answer."""
         if self._probe is None or self._probe.poll() is not None:
             self._probe = subprocess.Popen(
-                [sys.executable, "-c", _PROBE],
+                [self.python or sys.executable, "-c", _PROBE],
                 env={**self.client_env(), "RAY_LOG_TO_STDERR": "0"},
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -181,7 +185,7 @@ class RayCluster:
         log = open(self.temp_dir / f"ray-start-{label}.log", "wb")  # noqa: SIM115 - kept open by the child
         self.nodes.append(
             subprocess.Popen(
-                [RAY, "start", *args],
+                [self.python, "-m", "ray.scripts.scripts", "start", *args] if self.python else [RAY, "start", *args],
                 env={**os.environ, **self.auth, "RAY_ADDRESS": ""},  # never join a cluster someone else started
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -23,7 +23,7 @@ from typing import Any
 
 from clusterfit.backends.job_env import job_base_env
 from clusterfit.errors import SpecError
-from clusterfit.files import write_atomically
+from clusterfit.files import open_beneath, write_atomically
 from clusterfit.outputs.layout import CODE_DIR, LOG_DIR
 
 
@@ -83,6 +83,20 @@ def _write_rendered(outputs_dir: Path, files: Mapping[str, str]) -> None:
     for path, content in files.items():
         write_atomically(Path(path), content)
     (outputs_dir / LOG_DIR).mkdir(parents=True, exist_ok=True)
+
+
+def open_agent_log(outputs_dir: Path, log: Path, account: JobAccount | None) -> int:
+    """The agent's log file for appending, opened without following a link anywhere below `outputs_dir`, only
+    as a regular file, and (with `account`) only in a folder of that account's; SpecError naming it."""
+    name = log.relative_to(outputs_dir).as_posix()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    try:
+        return open_beneath(outputs_dir, name, flags, 0o666, owner=account.uid if account else None)
+    except OSError as exc:
+        raise SpecError(
+            f"outputs.dir {outputs_dir}: cannot write its {name} ({exc.strerror or exc}; a link or another kind of "
+            "file is refused); remove it, or give another folder"
+        ) from None
 
 
 def prepare_as(account: JobAccount, code: Path | None, outputs_dir: Path, files: Mapping[str, str]) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
-from clusterfit.backends.job_folder import JobAccount, put_job_files
+from clusterfit.backends.job_folder import JobAccount, open_agent_log, put_job_files
 from clusterfit.backends.mpi import launched_by_mpirun, mpi_launch_env, mpirun_command, require_mpirun
 from clusterfit.backends.torchrun import (
     as_launched,
@@ -23,8 +23,6 @@ from clusterfit.backends.torchrun import (
     torchrun_command,
     worker_env,
 )
-from clusterfit.errors import SpecError
-from clusterfit.files import open_beneath
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
@@ -75,20 +73,7 @@ class LocalBackend:
             env = {**os.environ, **rendered.env, **rendered.secret_env}
         # NOTE: the agent writes to a file, never to a pipe: a pipe whose reader died breaks torchrun's
         # log tailing threads and leaves the agent hanging at exit.
-        agent_log_name = outputs.agent_log.relative_to(outputs.root).as_posix()
-        try:
-            agent_log = open_beneath(
-                outputs.root,
-                agent_log_name,
-                os.O_WRONLY | os.O_CREAT | os.O_APPEND,
-                0o666,
-                owner=account.uid if account else None,
-            )
-        except OSError as exc:
-            raise SpecError(
-                f"outputs.dir {outputs.root}: cannot write its {agent_log_name} ({exc.strerror or exc}; a link or "
-                "another kind of file is refused); remove it, or give another folder"
-            ) from None
+        agent_log = open_agent_log(outputs.root, outputs.agent_log, account)
         with open(agent_log, "a") as agent_log_file:
             process = subprocess.Popen(
                 rendered.command,

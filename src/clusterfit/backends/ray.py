@@ -34,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
+from clusterfit.backends.job_env import job_env
+from clusterfit.backends.job_folder import JobAccount, open_agent_log, put_job_files
 from clusterfit.backends.node_copy import NodeCopy
 from clusterfit.backends.polled import wait_for_exit
 from clusterfit.backends.torchrun import (
@@ -205,13 +207,32 @@ class RayBackend:
             placement=placement,
         )
 
-    def submit(self, spec: JobSpec, outputs_store: str | None = None, refuse_root_nodes: bool = False) -> RayRun:
+    def submit(
+        self,
+        spec: JobSpec,
+        outputs_store: str | None = None,
+        *,
+        confined: bool = False,
+        account: JobAccount | None = None,
+    ) -> RayRun:
         """`outputs_store`: the URL of the job's outputs, whose local copy `spec.outputs.dir` is; each node then
-        works in a folder of its own, and the store is what they share. `refuse_root_nodes`: a job of a root
-        server that runs its jobs as unprivileged accounts, which Ray's daemons must not start as root."""
+        works in a folder of its own, and the store is what they share. `account`: the unprivileged account a
+        root job service runs the job as, whose outputs folder (which every node sees) it already is: on each
+        node whose Ray daemons run as root, the agent starts as the account of that name; `confined` is implied
+        by it (the nodes' agents start from Ray's environment either way, without the cluster's secrets)."""
+        if account is not None and outputs_store is not None:
+            # NOTE: each node's folder would be filled from the store and read back by root, in a folder the job's
+            # account writes: a link the job made there would take those reads and writes anywhere.
+            raise SpecError(
+                f"outputs.dir = {public(outputs_store)!r}: this job service runs Ray jobs with outputs at a URL only "
+                f"as Ray's own user, not as {account.name}; give outputs.dir a folder every Ray node sees"
+            )
         rendered = self.dry_run(spec)
         ray = _connect(cluster_address(spec))
-        ship_code(spec)  # into outputs.dir, which every node sees, or which goes to the store for them:
+        if account is not None:  # code, job file and logs folder written by a process of the account's
+            put_job_files(Path(spec.outputs.dir).resolve(), spec.code, rendered.files, account)
+        else:
+            ship_code(spec)  # into outputs.dir, which every node sees, or which goes to the store for them:
         store = None
         if outputs_store is not None:
             out = spec.outputs
@@ -261,7 +282,7 @@ class RayBackend:
                 cwd=os.getcwd(),
                 outputs_claim=read_text_or_none(JobOutputs.at(Path(spec.outputs.dir).resolve()).lock),
                 store=store,
-                refuse_root=refuse_root_nodes,
+                account=account.name if account is not None else None,
             )
             ray.get(
                 [
@@ -307,7 +328,9 @@ class AgentLaunch:
     cwd: str
     outputs_claim: str | None = None  # the launcher's lock in outputs.dir, which every node must see as it is
     store: NodeStore | None = None  # outputs at a URL: each node works in a folder of its own
-    refuse_root: bool = False  # a node whose daemons run as root refuses to start the job
+    # The job service's account for this job: where Ray's daemons run as root, the agent runs as the account
+    # of this name on the node, and what the job needs in its folder is there already.
+    account: str | None = None
 
     def start(self, actor: Any, node: int, place: NodePlace) -> Any:
         if self.store is None:
@@ -320,9 +343,9 @@ class AgentLaunch:
         command = node_command(
             spec, node, python=place.python, node_ip=place.ip, rdzv_endpoint=self.rdzv_endpoint, run_id=self.job_id
         )
-        return actor.start.remote(
-            command, self.env, files, log_dir, self.cwd, claim, self.store, node, self.refuse_root
-        )
+        if self.account is not None:
+            files = {}  # the launcher's account wrote them into the folder every node sees
+        return actor.start.remote(command, self.env, files, log_dir, self.cwd, claim, self.store, node, self.account)
 
 
 @dataclass
@@ -480,15 +503,11 @@ class NodeAgent:
         outputs_claim: str | None = None,
         store: NodeStore | None = None,
         node: int = 0,
-        refuse_root: bool = False,
+        account: str | None = None,
     ) -> int:
-        if refuse_root and os.geteuid() == 0:
-            raise EngineError(
-                f"Ray node {self.where().ip} runs its jobs as root, and this job service runs its jobs as "
-                "unprivileged accounts (--job-user): on Ray this one would run as root. Start Ray's nodes as an "
-                "unprivileged user, or submit to the local or Slurm engine",
-                retryable=False,
-            )
+        # Ray's daemons as root: the job as its account. As another user they cannot switch: the job runs as
+        # that user, who has no more rights than Ray's own processes (docs/security.md).
+        runs_as = self._account(account) if account is not None and os.geteuid() == 0 else None
         outputs = JobOutputs.at(Path(log_dir).parent)
         if store is None and not os.path.isdir(cwd):
             raise EngineError(
@@ -507,21 +526,45 @@ class NodeAgent:
             self._node_copy.fill()
         for path, content in files.items():
             write_atomically(Path(cwd, path), content)
-        Path(log_dir).mkdir(parents=True, exist_ok=True)
-        with open(agent_log_path, "a") as agent_log:
-            self._process = subprocess.Popen(
-                command,
-                cwd=cwd,
-                env={**job_environ(os.environ), **env},
-                stdout=agent_log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=stop_with_parent,  # a killed actor leaves no training processes behind
-            )
+        if runs_as is None:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            agent_log = os.open(agent_log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+            options: dict[str, Any] = {"cwd": cwd, "env": {**job_environ(os.environ), **env}}
+        else:  # root opens nothing in the account's folder that a link could steer, and the job gets no root env
+            agent_log = open_agent_log(outputs.root, agent_log_path, runs_as)
+            job_environment = job_env(outputs.root, env, server_env=job_environ(os.environ))
+            options = {"cwd": str(outputs.root), "env": job_environment, **runs_as.process_options()}
+        with open(agent_log, "a") as agent_log_file:
+            try:
+                self._process = subprocess.Popen(
+                    command,
+                    stdout=agent_log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                    preexec_fn=stop_with_parent,  # a killed actor leaves no training processes behind
+                    **options,
+                )
+            except PermissionError as exc:
+                who = f"the account {runs_as.name}" if runs_as else "Ray's user"
+                raise EngineError(
+                    f"Ray node {self.where().ip}: {who} cannot run {command[0]} ({exc.strerror}); install the "
+                    "Python that Ray's nodes run where every job account may run it (not under /root)",
+                    retryable=False,
+                ) from None
         self._ended = threading.Thread(target=self._record_exit, daemon=True)
         self._ended.start()
         return self._process.pid
+
+    def _account(self, name: str) -> JobAccount:
+        try:
+            return JobAccount.named(name)
+        except KeyError:
+            raise EngineError(
+                f"Ray node {self.where().ip} has no account {name}, which this job service runs the job as; make "
+                "the account on every Ray node, or name another with --job-user",
+                retryable=False,
+            ) from None
 
     def state(self) -> AgentState:
         if self._process is None or self._finished_at is None:

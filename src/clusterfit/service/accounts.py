@@ -30,9 +30,10 @@ def accounts_env(default: str, by_owner: Mapping[str, str]) -> dict[str, str]:
     return {JOB_USER_ENV: default, JOB_USERS_ENV: json.dumps(dict(by_owner), sort_keys=True)}
 
 
-# The engines a job's supervisor starts it on from its own process, whose user (root) would reach the job: there
-# it runs as its account. Ray's and Kubernetes' own daemons start theirs.
-RUNS_AS_ACCOUNT = ("local", "slurm")
+# The engines whose job a root supervisor starts as its account: from its own process (local), through
+# `sbatch --uid` (Slurm), through the node's actor where Ray's daemons run as root (Ray). Kubernetes' pods run as
+# `kubernetes.run_as_user`.
+RUNS_AS_ACCOUNT = ("local", "slurm", "ray")
 
 
 def job_account(owner: str, backend: str, environ: Mapping[str, str] = os.environ) -> JobAccount | None:

@@ -39,7 +39,6 @@ from clusterfit.service.accounts import (
     hand_over,
     job_account,
     make_outputs_folder,
-    owner_account,
     refuse_links,
 )
 from clusterfit.service.causes import (
@@ -205,8 +204,6 @@ class Supervisor:
             options: dict[str, Any] = {} if outputs_store is None else {"outputs_store": outputs_store}
             if self.confined and backend.name in RUNS_AS_ACCOUNT:
                 options.update(confined=True, account=self.account)
-            elif self.confined and backend.name == "ray" and owner_account(job.owner) is not None:
-                options.update(refuse_root_nodes=True)  # Ray's daemons start the job: not as root, at least
             handle = backend.submit(spec, **options)  # type: ignore[call-arg]
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
             return Outcome.FAILED, failure_for_error(exc, backend.name)
