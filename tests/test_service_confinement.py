@@ -344,7 +344,8 @@ def test_the_account_of_each_owner() -> None:
     environ = accounts_env("nobody", {"alice": "daemon"})
     assert job_account("alice", "local", environ) == JobAccount.named("daemon")
     assert job_account("bob", "slurm", environ) == JobAccount.named("nobody")
-    assert job_account("bob", "ray", environ) is None  # Ray's daemons start its processes
+    assert job_account("bob", "ray", environ) == JobAccount.named("nobody")  # where Ray's daemons are root
+    assert job_account("bob", "kubernetes", environ) is None  # the pods run as kubernetes.run_as_user
     assert job_account("bob", "local", accounts_env("", {"alice": "daemon"})) is None  # --job-user root
     with pytest.raises(EngineError, match="the account no-such-account that this server runs this job as is gone") as e:
         job_account("alice", "local", accounts_env("nobody", {"alice": "no-such-account"}))
