@@ -39,6 +39,17 @@ def runs_python(python: str, account: str) -> bool:
     return True
 
 
+def submit_as_root_service(python: str, job_file: Path, env: dict[str, str], timeout: float = 300) -> str:
+    """`clusterfit submit` with `python`, which the job's account can run too (its supervisor runs on it, and so
+    do the helpers it starts as the account), and `env` (`CLUSTERFIT_JOB_USER`, as a root server sets it for its
+    supervisors); the job's id."""
+    submitted = subprocess.run(
+        [python, "-m", "clusterfit", "submit", str(job_file)], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    return submitted.stdout.strip()
+
+
 @contextlib.contextmanager
 def python_for(account: str) -> Iterator[str | None]:
     """An interpreter `account` can run with clusterfit and this environment's packages, or None."""

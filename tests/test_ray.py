@@ -21,7 +21,7 @@ import psutil
 import pytest
 from azurite import free_port
 from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
-from job_accounts import python_for
+from job_accounts import python_for, submit_as_root_service
 from raycluster import RayCluster
 from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job, framework_code, user_code
 from test_scoring import assert_every_good_image_scored_once, scoring_job
@@ -281,15 +281,7 @@ def test_a_root_job_service_runs_its_ray_jobs_as_the_job_s_account(tmp_path: Pat
             job = command_job(out, user_code(folder), probe, processes=1)  # code the account may read
             job["resources"] = {"backend": "ray", "instance_count": 1}
             env = cluster.client_env(CLUSTERFIT_JOB_USER="nobody")  # what `clusterfit server` passes its supervisors
-            submitted = subprocess.run(
-                [python, "-m", "clusterfit", "submit", str(write_job(tmp_path / "job.yaml", job))],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert submitted.returncode == 0, submitted.stderr
-            job_id = submitted.stdout.strip()
+            job_id = submit_as_root_service(python, write_job(tmp_path / "job.yaml", job), env)
             ended = wait_for(lambda: (j := open_store().get(job_id)).job_state.is_terminal and j, 180, "the end")
             assert ended.state == "SUCCEEDED", f"{ended.cause_detail}\n{_logs(out)}"
             log = (out / "logs" / "rank-0.log").read_text()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, cli_command, exported_weights, run_cli, tiny_job, wait_for, write_job
-from job_accounts import python_for
+from job_accounts import python_for, submit_as_root_service
 from slurm_cluster import SlurmCluster, missing_reason
 from test_command_jobs import (
     assert_one_tensorflow_cluster_learned,
@@ -218,15 +218,7 @@ def test_a_root_job_service_runs_a_slurm_job_as_the_job_s_account(slurm: SlurmCl
             job = command_job(out, user_code(shared), f"id -un; ls {home} 2>&1 | head -1; pwd", processes=1)
             job["resources"]["backend"] = "slurm"
             env = {**os.environ, "CLUSTERFIT_HOME": str(home), "CLUSTERFIT_JOB_USER": "nobody"}  # as a root server sets
-            submitted = subprocess.run(
-                [python, "-m", "clusterfit", "submit", str(write_job(tmp_path / "job.yaml", job))],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-            assert submitted.returncode == 0, submitted.stderr
-            job_id = submitted.stdout.strip()
+            job_id = submit_as_root_service(python, write_job(tmp_path / "job.yaml", job), env, timeout=120)
             store = open_store(f"sqlite:///{home / 'jobs.db'}")
             try:
                 final = wait_for(lambda: store.get(job_id).job_state.is_terminal and store.get(job_id), 180, "the end")
