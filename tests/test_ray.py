@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job
 from test_scoring import assert_every_good_image_scored_once, scoring_job
 from test_session import session_job
 
-from clusterfit.backends.ray import AgentState, check_shared_outputs, job_exit_code
+from clusterfit.backends.job_env import job_base_env
+from clusterfit.backends.job_folder import JobAccount
+from clusterfit.backends.ray import AgentState, check_shared_outputs, job_exit_code, node_account
 from clusterfit.errors import EngineError
 from clusterfit.outputs import JobOutputs, RecordKind, membership_changes, read_heartbeats, read_records
 from clusterfit.service.migrate import open_store
@@ -261,35 +264,75 @@ def test_service_runs_a_submitted_ray_job_and_cancels_it(ray_cluster: RayCluster
     assert ray_cluster.placement_groups()[ref["id"]] == "REMOVED"
 
 
-def test_a_root_job_service_runs_its_ray_jobs_as_the_job_s_account(tmp_path: Path) -> None:
-    """Ray's daemons run as root (the tests do), as an operator's might; a root job service runs its jobs as
-    `nobody`. On Ray the job's processes run as `nobody` too, and cannot read the Ray cluster's token from its
-    daemons' environment: before, such a job ran as root on every node (then was refused on such nodes). The
-    cluster runs a Python that `nobody` may run (job_accounts.python_for), as its nodes must for this."""
-    assert os.geteuid() == 0, "the tests run as root; this one needs a root job service"
+@pytest.fixture(scope="module")
+def nobody_python() -> Iterator[str]:
+    """A Python that `nobody` may run (job_accounts.python_for), as a root job service's Ray nodes must."""
+    assert os.geteuid() == 0, "the tests run as root; the account tests need a root job service"
     with python_for("nobody") as python:
         if python is None:
             pytest.skip("no Python that nobody can run here (as root, a python3 of this version)")
-        cluster = RayCluster(python=python)
-        folder = Path(tempfile.mkdtemp(prefix="clusterfit-ray-account-"))
-        folder.chmod(0o1777)  # where the account makes its outputs folder, as in /tmp
-        try:
-            cluster.start(nodes=1)
-            daemon = cluster.nodes[0].pid  # `ray start`, whose environment holds the cluster's token
-            out = folder / "out"
-            probe = f"id -un; grep -c RAY_AUTH_TOKEN /proc/{daemon}/environ || echo token-not-readable"
-            job = command_job(out, user_code(folder), probe, processes=1)  # code the account may read
-            job["resources"] = {"backend": "ray", "instance_count": 1}
-            env = cluster.client_env(CLUSTERFIT_JOB_USER="nobody")  # what `clusterfit server` passes its supervisors
-            job_id = submit_as_root_service(python, write_job(tmp_path / "job.yaml", job), env)
-            ended = wait_for(lambda: (j := open_store().get(job_id)).job_state.is_terminal and j, 180, "the end")
-            assert ended.state == "SUCCEEDED", f"{ended.cause_detail}\n{_logs(out)}"
-            log = (out / "logs" / "rank-0.log").read_text()
-            assert "nobody" in log and "token-not-readable" in log and "Permission denied" in log, log
-            assert out.stat().st_uid == pwd.getpwnam("nobody").pw_uid
-        finally:
-            cluster.stop()
-            shutil.rmtree(folder, ignore_errors=True)
+        yield python
+
+
+def test_a_root_job_service_runs_its_ray_jobs_as_the_job_s_account(nobody_python: str, tmp_path: Path) -> None:
+    """Ray's daemons run as root (the tests do), as an operator's might; a root job service runs its jobs as
+    `nobody`. On Ray the job's processes run as `nobody` too, and cannot read the Ray cluster's token from its
+    daemons' environment: before, such a job ran as root on every node (then was refused on such nodes). The
+    cluster runs a Python that `nobody` may run, as its nodes must for this."""
+    cluster = RayCluster(python=nobody_python)
+    folder = Path(tempfile.mkdtemp(prefix="clusterfit-ray-account-"))
+    folder.chmod(0o1777)  # where the account makes its outputs folder, as in /tmp
+    try:
+        cluster.start(nodes=1)
+        daemon = cluster.nodes[0].pid  # `ray start`, whose environment holds the cluster's token
+        out = folder / "out"
+        probe = f"id -un; grep -c RAY_AUTH_TOKEN /proc/{daemon}/environ || echo token-not-readable"
+        job = command_job(out, user_code(folder), probe, processes=1)  # code the account may read
+        job["resources"] = {"backend": "ray", "instance_count": 1}
+        env = cluster.client_env(CLUSTERFIT_JOB_USER="nobody")  # what `clusterfit server` passes its supervisors
+        job_id = submit_as_root_service(nobody_python, write_job(tmp_path / "job.yaml", job), env)
+        ended = wait_for(lambda: (j := open_store().get(job_id)).job_state.is_terminal and j, 180, "the end")
+        assert ended.state == "SUCCEEDED", f"{ended.cause_detail}\n{_logs(out)}"
+        log = (out / "logs" / "rank-0.log").read_text()
+        assert "nobody" in log and "token-not-readable" in log and "Permission denied" in log, log
+        assert out.stat().st_uid == pwd.getpwnam("nobody").pw_uid
+    finally:
+        cluster.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+NODE_ACCOUNT_PROBE = """
+from clusterfit.backends.ray import node_account
+from clusterfit.errors import EngineError
+print(node_account("nobody", "10.0.0.2"))
+try:
+    node_account("root", "10.0.0.2")
+except EngineError as error:
+    print(error, error.retryable)
+"""
+
+
+def test_ray_daemons_of_another_user_refuse_a_job_of_an_account_in_one_line(nobody_python: str) -> None:
+    """Ray's daemons run as `nobody`: a job of the account `nobody` runs as they do, and one a root job service
+    runs as another account is refused in one line on the node. Before, it ran as the daemons' user (who holds
+    the cluster's token), in a folder the account had made and closed to it, and failed without saying why."""
+    probe = subprocess.run(
+        [nobody_python, "-c", NODE_ACCOUNT_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        **JobAccount.named("nobody").helper_options(job_base_env("/")),
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.splitlines() == [
+        "None",
+        "Ray node 10.0.0.2: Ray's processes run as nobody, who cannot start the job as root, the account this job "
+        "service runs it as; start Ray's nodes as root (or as root) False",
+    ]
+    assert node_account("nobody", "10.0.0.2") == JobAccount.named("nobody"), "daemons as root switch"
+    assert node_account(None, "10.0.0.2") is None
+    with pytest.raises(EngineError, match=r"^Ray node 10.0.0.2 has no account no-such-account, which"):
+        node_account("no-such-account", "10.0.0.2")
 
 
 def _logs(out: Path) -> str:

@@ -50,6 +50,13 @@ class JobAccount:
         return {**self.process_options(), "cwd": "/", "env": {**env, "LC_ALL": "C", "PYTHONUTF8": "1"}}
 
 
+def account_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:  # a container's uid without an entry
+        return f"uid {uid}"
+
+
 def copy_code(code: Path, outputs_dir: Path) -> None:
     """`code` into outputs_dir/code, replacing an earlier copy whole: the job runs its code as it was at
     submission, and engines whose outputs.dir is on a shared filesystem find it on every node."""

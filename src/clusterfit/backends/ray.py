@@ -35,7 +35,7 @@ from typing import Any
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
-from clusterfit.backends.job_folder import JobAccount, open_agent_log, put_job_files
+from clusterfit.backends.job_folder import JobAccount, account_name, open_agent_log, put_job_files
 from clusterfit.backends.node_copy import NodeCopy
 from clusterfit.backends.polled import wait_for_exit
 from clusterfit.backends.torchrun import (
@@ -469,6 +469,32 @@ class NodePlace:
         return Path(self.home) / path.relative_to(launcher_home) if path.is_relative_to(launcher_home) else path
 
 
+def node_account(name: str | None, node_ip: str) -> JobAccount | None:
+    """The account a node's agent switches to before it starts the job: `name`'s when Ray's daemons run as
+    root, None when they run as `name` itself (or the job has no account). Daemons of any other user cannot
+    switch, and the job must not run as them (they hold the cluster's token; the account's folder is closed to
+    them): EngineError in one line (docs/security.md)."""
+    if name is None:
+        return None
+    try:
+        account = JobAccount.named(name)
+    except KeyError:
+        raise EngineError(
+            f"Ray node {node_ip} has no account {name}, which this job service runs the job as; make the account "
+            "on every Ray node, or name another with --job-user",
+            retryable=False,
+        ) from None
+    if os.geteuid() == 0:
+        return account
+    if os.geteuid() == account.uid:
+        return None
+    raise EngineError(
+        f"Ray node {node_ip}: Ray's processes run as {account_name(os.geteuid())}, who cannot start the job as "
+        f"{name}, the account this job service runs it as; start Ray's nodes as root (or as {name})",
+        retryable=False,
+    )
+
+
 class NodeAgent:
     """Lives in one bundle of the job's placement group, on its node: starts torchrun's agent in a process
     group of its own and, when asked, stops it with every process it started."""
@@ -505,9 +531,7 @@ class NodeAgent:
         node: int = 0,
         account: str | None = None,
     ) -> int:
-        # Ray's daemons as root: the job as its account. As another user they cannot switch: the job runs as
-        # that user, who has no more rights than Ray's own processes (docs/security.md).
-        runs_as = self._account(account) if account is not None and os.geteuid() == 0 else None
+        runs_as = node_account(account, self.where().ip)
         outputs = JobOutputs.at(Path(log_dir).parent)
         if store is None and not os.path.isdir(cwd):
             raise EngineError(
@@ -555,16 +579,6 @@ class NodeAgent:
         self._ended = threading.Thread(target=self._record_exit, daemon=True)
         self._ended.start()
         return self._process.pid
-
-    def _account(self, name: str) -> JobAccount:
-        try:
-            return JobAccount.named(name)
-        except KeyError:
-            raise EngineError(
-                f"Ray node {self.where().ip} has no account {name}, which this job service runs the job as; make "
-                "the account on every Ray node, or name another with --job-user",
-                retryable=False,
-            ) from None
 
     def state(self) -> AgentState:
         if self._process is None or self._finished_at is None:

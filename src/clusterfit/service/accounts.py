@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import stat
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
 from clusterfit.backends.job_env import job_base_env
-from clusterfit.backends.job_folder import JobAccount
+from clusterfit.backends.job_folder import JobAccount, account_name
 from clusterfit.errors import EngineError, SpecError
 from clusterfit.outputs.layout import LOG_DIR
 from clusterfit.service.home import JOB_USER_ENV, JOB_USERS_ENV
@@ -86,7 +85,7 @@ def _refuse_unless_owned(folder: Path, account: JobAccount) -> None:
     holder = folder.stat().st_uid
     if holder != account.uid:
         raise SpecError(
-            f"outputs.dir {folder} belongs to {_account_name(holder)}, not to {account.name}, the account this job "
+            f"outputs.dir {folder} belongs to {account_name(holder)}, not to {account.name}, the account this job "
             "runs as; give a new folder, or one of that account's"
         )
 
@@ -114,10 +113,3 @@ def hand_over(folder: Path, account: JobAccount) -> None:
             single = stat.S_ISDIR(info.st_mode) or (stat.S_ISREG(info.st_mode) and info.st_nlink == 1)
             if info.st_uid == me and single:
                 os.chown(name, account.uid, account.gid, dir_fd=dir_fd, follow_symlinks=False)
-
-
-def _account_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"uid {uid}"
