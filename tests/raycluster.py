@@ -1,6 +1,6 @@
 """A real two-node Ray cluster on 127.0.0.1 for tests: a head and a second node, each its own `ray start
---block` process group with free ports, a temp folder, one CPU and one logical GPU, token authentication on;
-stopped after."""
+--block` process group with free ports, a temp folder, one CPU and one logical GPU, token authentication on,
+the second node under a host name of its own; stopped after."""
 
 from __future__ import annotations
 
@@ -36,6 +36,16 @@ for question in sys.stdin:
         answer = {{g["name"]: g["state"] for g in ray.util.placement_group_table().values()}}
     print("{_ANSWER.decode()}" + json.dumps(answer), flush=True)
 """
+
+
+def _with_own_host_name(command: list[str]) -> list[str]:
+    """`command` under a host name of its own, as a node on another machine has: Open MPI tells its daemons
+    apart by host name, and two on one name do not finish a job. `localhost`, which resolves everywhere (as
+    other nodes' names do on a real cluster), in a UTS namespace of its own (root); as it is elsewhere."""
+    unshare = shutil.which("unshare")
+    if os.geteuid() != 0 or unshare is None:
+        return command
+    return [unshare, "--uts", "/bin/sh", "-c", 'hostname localhost && exec "$@"', "node", *command]
 
 
 class RayCluster:
@@ -183,9 +193,10 @@ class RayCluster:
 
     def _start_node(self, label: str, args: list[str]) -> None:
         log = open(self.temp_dir / f"ray-start-{label}.log", "wb")  # noqa: SIM115 - kept open by the child
+        command = [self.python, "-m", "ray.scripts.scripts", "start", *args] if self.python else [RAY, "start", *args]
         self.nodes.append(
             subprocess.Popen(
-                [self.python, "-m", "ray.scripts.scripts", "start", *args] if self.python else [RAY, "start", *args],
+                command if label == "head" else _with_own_host_name(command),
                 env={**os.environ, **self.auth, "RAY_ADDRESS": ""},  # never join a cluster someone else started
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -24,13 +24,19 @@ from azurite import free_port
 from conftest import REPO, cli_command, run_cli, tiny_job, wait_for, write_job
 from job_accounts import python_for, submit_as_root_service
 from raycluster import RayCluster
-from test_command_jobs import assert_one_tensorflow_cluster_learned, command_job, framework_code, user_code
+from test_command_jobs import (
+    assert_one_tensorflow_cluster_learned,
+    command_job,
+    framework_code,
+    rank_logs,
+    user_code,
+)
 from test_scoring import assert_every_good_image_scored_once, scoring_job
 from test_session import session_job
 
 from clusterfit.backends.job_env import job_base_env
 from clusterfit.backends.job_folder import JobAccount
-from clusterfit.backends.ray import AgentState, check_shared_outputs, job_exit_code, node_account
+from clusterfit.backends.ray import AgentState, NodeAgent, check_shared_outputs, job_exit_code, node_account
 from clusterfit.errors import EngineError
 from clusterfit.outputs import JobOutputs, RecordKind, membership_changes, read_heartbeats, read_records
 from clusterfit.service.migrate import open_store
@@ -96,6 +102,43 @@ def test_dry_run_renders_the_placement_group_and_node_command(tmp_path: Path) ->
         f"-m clusterfit.worker --spec {out / 'job.yaml'}\n"
     )
     assert not out.exists(), "a dry run writes nothing"
+
+
+def test_an_mpi_job_renders_mpirun_over_the_nodes_and_refuses_outputs_at_a_url(tmp_path: Path) -> None:
+    """An mpi job on Ray: node 0's actor runs mpirun over every node of the job, the others by their aliases,
+    whose daemons it starts through the actors already there; with outputs at a URL it is refused in one line."""
+    out = tmp_path / "out"
+    job = command_job(out, user_code(tmp_path), "python train.py", "mpi", processes=2)
+    job["resources"] = {"instance_count": 3, "backend": "ray"}
+    result = run_cli("run", str(write_job(tmp_path / "job.yaml", job)), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    placement, command = result.stdout.split("# ray backend command\n")[1].splitlines()[3:5]
+    receiver = f"python -m clusterfit.backends.mpi_remote receive '{out / '.mpi-launch' / 'command-mpi-<id>'}' N"
+    assert placement == f"# mpi: node 0 runs this mpirun; node N `{receiver}`, which starts its daemon"
+    agent = "'python -m clusterfit.backends.mpi_remote send'"
+    assert (
+        f"mpirun -np 6 --host '<node 0 host>:2,clusterfit-node-1:2,clusterfit-node-2:2' --prtemca plm ssh "
+        f"--prtemca plm_ssh_agent {agent} --prtemca plm_ssh_no_tree_spawn 1 --leave-session-attached "
+        "--map-by ppr:2:node:OVERSUBSCRIBE --bind-to none"
+    ) in command, command
+    job["outputs"] = {"dir": "az://outputs/runs/mpi"}
+    job["storage"] = {"account_name": "acct", "sas_token": "sv=2024&sig=SECRETSIGNATURE"}
+    refused = run_cli("run", str(write_job(tmp_path / "url.yaml", job)), "--dry-run")
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [
+        "error: outputs.dir = 'az://outputs/runs/mpi': an mpi job on Ray starts every rank from one mpirun, with no "
+        "copy of the outputs on each node; give outputs.dir a folder on the cluster's shared filesystem"
+    ], refused.stderr
+
+
+def test_a_node_without_mpirun_refuses_in_one_line(tmp_path: Path) -> None:
+    """A node whose Python has no mpirun beside it (and none on PATH): the node's agent says what to install."""
+    with pytest.raises(EngineError) as refused:
+        NodeAgent().start(["/nonexistent/bin/mpirun", "-np", "2"], {}, {}, str(tmp_path / "logs"), str(tmp_path))
+    assert re.fullmatch(
+        r"Ray node [0-9.]+ has no /nonexistent/bin/mpirun; pip install 'clusterfit\[mpi\]' \(Open MPI's mpirun and "
+        r"mpi4py\), or install Open MPI on this machine",
+        str(refused.value),
+    ), refused.value
 
 
 def test_gpus_per_node_are_reserved_in_each_bundle(tmp_path: Path) -> None:
@@ -489,11 +532,17 @@ def test_a_command_job_gets_its_environment_on_two_ray_nodes(
     job = command_job(out, framework_code(tmp_path), f"python env_contract.py {kind}", kind, processes=1)
     if kind == "tensorflow":  # and a real cluster of both workers
         job["command"] += " && python tf_multiworker.py"
+    if kind == "mpi":  # and one MPI world across both nodes, from node 0's mpirun
+        job["command"] += " && python mpi_allreduce.py"
     stdout = _run_to_success(ray_cluster, write_job(tmp_path / "job.yaml", job))
     for rank in range(2):
         assert f"[rank{rank}] env ok: {kind} rank {rank}/2 in code" in stdout, stdout[-3000:]
     if kind == "tensorflow":
         assert_one_tensorflow_cluster_learned(out, workers=2)
+    if kind == "mpi":
+        for rank in range(2):
+            assert f"mpi world of 2: rank {rank} agrees on the sum 3" in rank_logs(out), rank_logs(out)[-3000:]
+        assert list((out / ".mpi-launch").iterdir()) == [], "node 1 took mpirun's request"
     assert set(ray_cluster.placement_groups().values()) == {"REMOVED"}
     assert not _job_processes(out)
 

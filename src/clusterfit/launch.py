@@ -15,7 +15,7 @@ from pathlib import Path
 from clusterfit.backends.job_env import job_env
 from clusterfit.backends.job_folder import JobAccount
 from clusterfit.backends.local import local_gpu_count
-from clusterfit.backends.mpi import launched_by_mpirun, require_mpirun
+from clusterfit.backends.mpi import launched_by_mpirun, refuse_outputs_at_url, require_mpirun
 from clusterfit.backends.torchrun import storage_secret_env
 from clusterfit.data.folders import inspect_data, list_score_inputs, steps_per_epoch
 from clusterfit.data.staging import check_remote_file
@@ -36,6 +36,7 @@ def preflight(spec: JobSpec) -> None:
     outputs holding another job's checkpoints, and for devices the workers will not have."""
     _check_devices(spec)
     if is_url(spec.outputs.dir):
+        refuse_outputs_at_url(spec, spec.outputs.dir, spec.resources.backend)  # before the store is reached
         check_store(spec.outputs.dir, job_credentials(spec))
     if spec.resources.backend == "kubernetes":
         return  # paths name places inside the pods (image, mounted claims), not on this machine

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -36,6 +37,13 @@ from typing import Any
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
 from clusterfit.backends.job_folder import JobAccount, account_name, open_agent_log, put_job_files
+from clusterfit.backends.mpi import (
+    INSTALL_HINT,
+    launched_by_mpirun,
+    ray_launch_env,
+    ray_node_command,
+    refuse_outputs_at_url,
+)
 from clusterfit.backends.node_copy import NodeCopy
 from clusterfit.backends.polled import wait_for_exit
 from clusterfit.backends.torchrun import (
@@ -140,8 +148,14 @@ def node_env(spec: JobSpec) -> dict[str, str]:
     return {**worker_env(threads_per_process(spec)), **spec.environment_variables}
 
 
-def node_command(spec: JobSpec, node: int, *, python: str, node_ip: str, rdzv_endpoint: str, run_id: str) -> list[str]:
-    """The agent command for node `node`: node 0 hosts the rendezvous store; every node announces its Ray IP."""
+def node_command(
+    spec: JobSpec, node: int, *, python: str, node_ip: str, rdzv_endpoint: str, run_id: str, head_host: str
+) -> list[str]:
+    """The agent command for node `node`: node 0 hosts the rendezvous store; every node announces its Ray IP.
+    An mpi job's node 0 runs mpirun over the nodes instead, whose daemons the other nodes wait for."""
+    if launched_by_mpirun(spec):
+        launches = JobOutputs.at(spec.outputs.dir).mpi_launches(run_id)
+        return ray_node_command(spec, node, python=python, head_host=head_host, launches=launches)
     return torchrun_command(
         spec,
         python=python,
@@ -194,9 +208,20 @@ class RayBackend:
             folder = NodeStore(url, Credentials(), out.cache_dir, out.upload_every_s).folder(f"{spec.name}-<id>", 0)
             node_spec = spec.model_copy(update={"outputs": out.model_copy(update={"dir": str(folder)})})
             lines.append(f"# outputs at {public(url)}: node N works in {str(folder)[:-1]}N, copied to the store")
+        refuse_outputs_at_url(spec, url, "ray")
+        if launched_by_mpirun(spec):  # no rendezvous: mpirun reaches the other nodes through their actors
+            launches = JobOutputs.at(spec.outputs.dir).mpi_launches(f"{spec.name}-<id>")
+            receiver = ray_node_command(spec, 1, python="python", head_host="", launches=launches)[:-1]
+            lines[-1] = f"# mpi: node 0 runs this mpirun; node N `{shlex.join(receiver)} N`, which starts its daemon"
         placement = "\n".join(lines)
         command = node_command(
-            node_spec, 0, python="python", node_ip="<node 0 IP>", rdzv_endpoint=_NODE0_RDZV, run_id=f"{spec.name}-<id>"
+            node_spec,
+            0,
+            python="python",
+            node_ip="<node 0 IP>",
+            rdzv_endpoint=_NODE0_RDZV,
+            run_id=f"{spec.name}-<id>",
+            head_host="<node 0 host>",
         )
         return Rendered(
             backend=self.name,
@@ -227,6 +252,7 @@ class RayBackend:
                 f"outputs.dir = {public(outputs_store)!r}: this job service runs Ray jobs with outputs at a URL only "
                 f"as Ray's own user, not as {account.name}; give outputs.dir a folder every Ray node sees"
             )
+        refuse_outputs_at_url(spec, outputs_store, "ray")
         rendered = self.dry_run(spec)
         ray = _connect(cluster_address(spec))
         if account is not None:  # code, job file and logs folder written by a process of the account's
@@ -283,6 +309,7 @@ class RayBackend:
                 outputs_claim=read_text_or_none(JobOutputs.at(Path(spec.outputs.dir).resolve()).lock),
                 store=store,
                 account=account.name if account is not None else None,
+                head_host=places[0].host,
             )
             ray.get(
                 [
@@ -331,6 +358,7 @@ class AgentLaunch:
     # The job service's account for this job: where Ray's daemons run as root, the agent runs as the account
     # of this name on the node, and what the job needs in its folder is there already.
     account: str | None = None
+    head_host: str = ""  # node 0's host name, which an mpi job's mpirun knows as its own
 
     def start(self, actor: Any, node: int, place: NodePlace) -> Any:
         if self.store is None:
@@ -341,11 +369,21 @@ class AgentLaunch:
             spec = self.spec.model_copy(update={"outputs": out})
             files, log_dir, claim = resolved_spec_file(spec), str(JobOutputs.at(folder).logs), None
         command = node_command(
-            spec, node, python=place.python, node_ip=place.ip, rdzv_endpoint=self.rdzv_endpoint, run_id=self.job_id
+            spec,
+            node,
+            python=place.python,
+            node_ip=place.ip,
+            rdzv_endpoint=self.rdzv_endpoint,
+            run_id=self.job_id,
+            head_host=self.head_host,
         )
+        env = self.env
+        if launched_by_mpirun(spec):
+            launches = JobOutputs.at(Path(spec.outputs.dir).resolve()).mpi_launches(self.job_id)
+            env = {**env, **ray_launch_env(self.rdzv_endpoint, launches)}
         if self.account is not None:
             files = {}  # the launcher's account wrote them into the folder every node sees
-        return actor.start.remote(command, self.env, files, log_dir, self.cwd, claim, self.store, node, self.account)
+        return actor.start.remote(command, env, files, log_dir, self.cwd, claim, self.store, node, self.account)
 
 
 @dataclass
@@ -462,6 +500,7 @@ class NodePlace:
     ip: str
     python: str
     home: str  # the node's home folder: what `~` in outputs.cache_dir means there
+    host: str  # its host name
 
     def home_folder(self, path: Path) -> Path:
         """`path`, whose `~` the launcher expanded to its own home, with the node's instead."""
@@ -509,7 +548,9 @@ class NodeAgent:
     def where(self) -> NodePlace:
         import ray
 
-        return NodePlace(ray.util.get_node_ip_address(), sys.executable, str(Path("~").expanduser()))
+        return NodePlace(
+            ray.util.get_node_ip_address(), sys.executable, str(Path("~").expanduser()), socket.gethostname()
+        )
 
     def node_id(self) -> str:
         import ray
@@ -574,6 +615,12 @@ class NodeAgent:
                 raise EngineError(
                     f"Ray node {self.where().ip}: {who} cannot run {command[0]} ({exc.strerror}); install the "
                     "Python that Ray's nodes run where every job account may run it (not under /root)",
+                    retryable=False,
+                ) from None
+            except FileNotFoundError:
+                raise EngineError(
+                    f"Ray node {self.where().ip} has no {command[0]}; "
+                    + (INSTALL_HINT if command[0].endswith("mpirun") else "install it on every Ray node"),
                     retryable=False,
                 ) from None
         self._ended = threading.Thread(target=self._record_exit, daemon=True)

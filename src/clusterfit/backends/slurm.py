@@ -22,7 +22,7 @@ from pathlib import Path
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
 from clusterfit.backends.job_folder import JobAccount, put_job_files
-from clusterfit.backends.mpi import find_mpirun, launched_by_mpirun, mpirun_command
+from clusterfit.backends.mpi import find_mpirun, launched_by_mpirun, mpirun_command, refuse_outputs_at_url
 from clusterfit.backends.node_copy import node_copy_command
 from clusterfit.backends.polled import PolledRun
 from clusterfit.backends.torchrun import (
@@ -196,12 +196,7 @@ class SlurmBackend:
     def dry_run(self, spec: JobSpec, outputs_store: str | None = None, workdir: str | None = None) -> Rendered:
         spec, url = as_launched(spec)  # `clusterfit run --dry-run` of a spec whose outputs.dir is a URL
         outputs_store = outputs_store or url
-        if outputs_store is not None and launched_by_mpirun(spec):
-            raise SpecError(
-                f"outputs.dir = {public(outputs_store)!r}: an mpi job on Slurm starts every rank from one mpirun, "
-                "with no copy of the outputs on each node; give outputs.dir a folder on the cluster's shared "
-                "filesystem"
-            )
+        refuse_outputs_at_url(spec, outputs_store, "slurm")
         out = Path(spec.outputs.dir)
         script = out / SCRIPT
         text = sbatch_script(spec, python=sys.executable, workdir=workdir or os.getcwd(), outputs_store=outputs_store)

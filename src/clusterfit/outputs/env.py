@@ -9,3 +9,4 @@ STORAGE_SAS_TOKEN_ENV = "CLUSTERFIT_STORAGE_SAS_TOKEN"  # storage.sas_token, nev
 FAULT_ENV = "CLUSTERFIT_FAULT"  # a failure to inject for tests: KIND:rank=R:step=S[:attempt=A]
 SPEC_ENV = "CLUSTERFIT_SPEC"  # a command job's resolved job.yaml, for clusterfit.session in the user's script
 LIVENESS_ENV = "CLUSTERFIT_LIVENESS"  # PID:START_TIME of the command wrapper's liveness heartbeat process
+MPI_LAUNCHES_ENV = "CLUSTERFIT_MPI_LAUNCHES"  # an mpi job on Ray: where node 0's mpirun leaves its daemons' commands

@@ -25,6 +25,8 @@ WRITER_FILE = ".clusterfit-writer.json"  # only in a store's copy (outputs.dir: 
 PREDICTIONS_FILE = "predictions.parquet"  # a scoring job's result, one row per image, ordered by file
 PREDICTIONS_CSV = "predictions.csv"
 PREDICTION_PARTS_DIR = "predictions"  # its per-rank chunk files, each published by one rename
+# An mpi job on Ray: node 0's mpirun asks the other nodes for its daemons here (backends/mpi_remote.py)
+MPI_LAUNCH_DIR = ".mpi-launch"
 
 WEIGHTS_FILE = "model.safetensors"
 TORCHSCRIPT_FILE = "model.torchscript.pt"
@@ -122,6 +124,11 @@ class JobOutputs:
     @property
     def prediction_parts(self) -> Path:
         return self.root / PREDICTION_PARTS_DIR
+
+    def mpi_launches(self, run_id: str) -> Path:
+        """The common prefix of one run's requests from node 0's mpirun to the other nodes (`PREFIX.node-N.sh`,
+        each removed by the node that takes it): what stays is the empty folder, never a stale request."""
+        return self.root / MPI_LAUNCH_DIR / run_id
 
 
 def rank_log_name(rank: int) -> str:
