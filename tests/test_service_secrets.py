@@ -5,8 +5,11 @@ the service home and its database are their owner's alone."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -238,3 +241,33 @@ def test_a_job_s_store_variables_are_its_credentials_and_masked_like_its_sas_tok
     assert drop_store_credentials(server) == ["AWS_PROFILE", "AZURE_STORAGE_ACCOUNT_KEY"]
     assert server["AWS_REGION"] == "eu-west-1" and server["AZURE_STORAGE_ANON"] == "true"
     assert server["AWS_SHARED_CREDENTIALS_FILE"] == os.devnull and drop_store_credentials(server) == []
+
+
+GOOGLE_DEFAULT = """
+import os, google.auth
+from google.auth.exceptions import DefaultCredentialsError
+from clusterfit.storage.filesystems import drop_store_credentials
+print(google.auth.default()[0].client_id)
+drop_store_credentials(os.environ)
+try:
+    google.auth.default()
+except DefaultCredentialsError:
+    print("no credentials")
+"""
+
+
+def test_the_operator_s_google_login_serves_no_job(tmp_path: Path) -> None:
+    """gcsfs (gs://) finds credentials through google-auth: a key file named in the environment, gcloud's
+    application-default login in the home folder, the machine's metadata server. The job service's processes
+    look in none of them: before, the operator's gcloud login would have served every owner's gs:// job."""
+    login = tmp_path / ".config" / "gcloud" / "application_default_credentials.json"
+    login.parent.mkdir(parents=True)
+    operator = {"type": "authorized_user", "client_id": "operator", "client_secret": "s", "refresh_token": "r"}
+    login.write_text(json.dumps(operator))
+    env = {key: value for key, value in os.environ.items() if key not in ("CLOUDSDK_CONFIG", "NO_GCE_CHECK")}
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    probe = subprocess.run(
+        [sys.executable, "-c", GOOGLE_DEFAULT], env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.splitlines() == ["operator", "no credentials"]

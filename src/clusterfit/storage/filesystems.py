@@ -70,12 +70,15 @@ def job_credentials(spec: JobSpec) -> Credentials:
 
 
 # What keeps a store's client from looking for credentials that no option gave it: Azure's identity chain (which
-# asks the Azure CLI for its login), the AWS profiles in the account's home folder, the machine's instance metadata.
+# asks the Azure CLI for its login), the AWS profiles in the account's home folder, the machine's instance metadata,
+# and google-auth's (gcsfs's) gcloud login in the home folder and the machine's metadata server.
 _LOOK_NOWHERE = {
     "AZURE_STORAGE_ANON": "true",
     "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
     "AWS_CONFIG_FILE": os.devnull,
     "AWS_EC2_METADATA_DISABLED": "true",
+    "CLOUDSDK_CONFIG": os.devnull,
+    "NO_GCE_CHECK": "True",
 }
 # Where the clients find such credentials: values, files they name, identities to ask (not their other settings:
 # a region, a CA bundle).
