@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -148,9 +149,10 @@ def test_small_files_in_one_request_each_and_a_large_one_streamed(
     azurite: Azurite, tmp_path: Path, disk: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Images come whole, many in flight; a file past the whole-file size streams in ranged reads; both verified.
-    On a slow disk (here: any write counts as slow) the writes go to threads after the first."""
+    On a slow disk (here: any write counts as slow) the writes go to threads after a few."""
     if disk == "slow":
         monkeypatch.setattr(staging, "_SLOW_WRITE_S", -1.0)
+    written_by = set()
     source = tmp_path / "mixed"
     for index in range(40):
         (source / f"c{index % 4}").mkdir(parents=True, exist_ok=True)
@@ -159,8 +161,12 @@ def test_small_files_in_one_request_each_and_a_large_one_streamed(
     (source / "empty.txt").write_bytes(b"")  # stores refuse a byte range of an empty object
     files = _upload(azurite, source, "mixed")
     url = f"az://{CONTAINER}/mixed"
-    report = _stage_in_process(azurite, url, tmp_path / "cache", workers=8)
+    report = _stage_in_process(
+        azurite, url, tmp_path / "cache", workers=8, on_file=lambda _: written_by.add(threading.current_thread().name)
+    )
     assert (report.copied_files, report.copied_bytes) == (42, sum(len(b) for b in files.values()))
+    if disk == "slow":
+        assert any(name.startswith("staging-write") for name in written_by), written_by
     local = report.local
     assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()} == files
     manifest = json.loads((local.parent / MANIFEST).read_text())["files"]

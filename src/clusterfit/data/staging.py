@@ -271,6 +271,9 @@ def _changed_while_copied(url: str, remote: str, got: int, listed: int) -> NoRet
 # every transfer on the event loop's thread: from then on the writes go to threads. Below it, handing each file
 # to a thread and back cost more than the write: 0.13 s of CPU per 1,000 files of 110 KB (benchmarks/RESULTS.md).
 _SLOW_WRITE_S = 0.002
+# A slow disk is slow at every write; one slow write is the loop's thread preempted on busy cores (on tmpfs, one
+# in two rounds of the benchmark handed its writes to threads after a single one).
+_SLOW_WRITES_IN_A_ROW = 3
 
 
 def _fetch_concurrently(
@@ -283,10 +286,11 @@ def _fetch_concurrently(
     keep: Callable[[str, bytes], None],
 ) -> None:
     """Each file in one GET, `concurrency` of them in flight on the filesystem's event loop, each given to `keep`
-    (hashing and writing) as it arrives: on the loop's thread while writes are fast, on threads once one is slow
-    (`_SLOW_WRITE_S`). A thread per transfer through fsspec's blocking wrapper (and a HEAD request per file to
-    open it) capped small files at a third of what the store serves. Returns, or raises the first error, only
-    once no `keep` runs any more: the caller's journal and lock outlive every write into the cache."""
+    (hashing and writing) as it arrives: on the loop's thread while writes are fast, on threads once they are slow
+    (`_SLOW_WRITE_S`, several in a row). A thread per transfer through fsspec's blocking wrapper (and a HEAD
+    request per file to open it) capped small files at a third of what the store serves. Returns, or raises the
+    first error, only once no `keep` runs any more: the caller's journal and lock outlive every write into the
+    cache."""
     if not items:
         return
     from fsspec.asyn import sync
@@ -294,10 +298,10 @@ def _fetch_concurrently(
     async def fetch_all(writers: ThreadPoolExecutor) -> None:
         pending = iter(items)
         loop = asyncio.get_running_loop()
-        slow_disk = False
+        slow_writes = 0  # in a row, on the loop's thread
 
         async def fetcher() -> None:
-            nonlocal slow_disk
+            nonlocal slow_writes
             for rel, size in pending:  # one iterator shared by every fetcher: each file is taken once
                 try:
                     # At most a byte more than listed: an object that grew since is caught, not held whole (an
@@ -306,12 +310,12 @@ def _fetch_concurrently(
                     body = await fs._cat_file(f"{folder}/{rel}", start=0 if size else None, end=end)
                 except Exception as exc:  # noqa: BLE001 - connection errors of every backend
                     raise _copy_stopped(url, rel, exc, creds) from None
-                if slow_disk:
+                if slow_writes >= _SLOW_WRITES_IN_A_ROW:
                     await loop.run_in_executor(writers, keep, rel, body)
                     continue
                 started = time.perf_counter()
                 keep(rel, body)
-                slow_disk = slow_disk or time.perf_counter() - started > _SLOW_WRITE_S
+                slow_writes = slow_writes + 1 if time.perf_counter() - started > _SLOW_WRITE_S else 0
 
         fetchers = [asyncio.ensure_future(fetcher()) for _ in range(max(1, min(concurrency, len(items))))]
         try:
