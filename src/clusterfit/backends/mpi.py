@@ -81,13 +81,15 @@ def mpirun_command(
     ]
 
 
-def ray_node_command(spec: JobSpec, node: int, *, python: str, head_host: str, launches: Path) -> list[str]:
-    """What node `node`'s actor runs for an mpi job on Ray: node 0 mpirun over every node of the job (the others
-    by their aliases), the others the receiver of its daemon's command (`launches`: JobOutputs.mpi_launches)."""
+def ray_node_command(
+    spec: JobSpec, node: int, *, python: str, mpirun: str, head_host: str, launches: Path
+) -> list[str]:
+    """What node `node`'s actor runs for an mpi job on Ray: node 0 `mpirun` (its own) over every node of the job
+    (the others by their aliases), the others the receiver of its daemon's command (`launches`:
+    JobOutputs.mpi_launches)."""
     if node != 0:
         return [python, "-m", "clusterfit.backends.mpi_remote", "receive", str(launches), str(node)]
     hosts = [head_host, *(host_alias(other) for other in range(1, spec.resources.max_nodes))]
-    mpirun = find_mpirun(python, path="") or "mpirun"  # the mpi extra's beside the nodes' Python, else theirs
     return mpirun_command(spec, mpirun=mpirun, python=python, hosts=hosts, agent=agent_command(python))
 
 

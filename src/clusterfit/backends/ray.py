@@ -39,6 +39,7 @@ from clusterfit.backends.job_env import job_env
 from clusterfit.backends.job_folder import JobAccount, account_name, open_agent_log, put_job_files
 from clusterfit.backends.mpi import (
     INSTALL_HINT,
+    find_mpirun,
     launched_by_mpirun,
     ray_launch_env,
     ray_node_command,
@@ -149,13 +150,15 @@ def node_env(spec: JobSpec) -> dict[str, str]:
 
 
 def node_command(
-    spec: JobSpec, node: int, *, python: str, node_ip: str, rdzv_endpoint: str, run_id: str, head_host: str
+    spec: JobSpec, node: int, *, python: str, node_ip: str, rdzv_endpoint: str, run_id: str, head: NodePlace
 ) -> list[str]:
     """The agent command for node `node`: node 0 hosts the rendezvous store; every node announces its Ray IP.
-    An mpi job's node 0 runs mpirun over the nodes instead, whose daemons the other nodes wait for."""
+    An mpi job's node 0 (`head`) runs mpirun over the nodes instead, whose daemons the other nodes wait for."""
     if launched_by_mpirun(spec):
-        launches = JobOutputs.at(spec.outputs.dir).mpi_launches(run_id)
-        return ray_node_command(spec, node, python=python, head_host=head_host, launches=launches)
+        launches = _mpi_launches(spec, run_id)
+        return ray_node_command(
+            spec, node, python=python, mpirun=head.mpirun or "mpirun", head_host=head.host, launches=launches
+        )
     return torchrun_command(
         spec,
         python=python,
@@ -164,6 +167,12 @@ def node_command(
         rdzv_is_host=node == 0,
         local_addr=node_ip,
     )
+
+
+def _mpi_launches(spec: JobSpec, run_id: str) -> Path:
+    """Where an mpi job's mpirun and the other nodes meet: in the outputs folder every node sees, by the path
+    the launcher sees (an account's agent starts in that folder, where a relative path would mean another)."""
+    return JobOutputs.at(Path(spec.outputs.dir).resolve()).mpi_launches(run_id)
 
 
 # The Ray cluster's own key, which the node's raylet hands every worker process: a job holding it could submit
@@ -210,8 +219,8 @@ class RayBackend:
             lines.append(f"# outputs at {public(url)}: node N works in {str(folder)[:-1]}N, copied to the store")
         refuse_outputs_at_url(spec, url, "ray")
         if launched_by_mpirun(spec):  # no rendezvous: mpirun reaches the other nodes through their actors
-            launches = JobOutputs.at(spec.outputs.dir).mpi_launches(f"{spec.name}-<id>")
-            receiver = ray_node_command(spec, 1, python="python", head_host="", launches=launches)[:-1]
+            launches = _mpi_launches(spec, f"{spec.name}-<id>")
+            receiver = ray_node_command(spec, 1, python="python", mpirun="", head_host="", launches=launches)[:-1]
             lines[-1] = f"# mpi: node 0 runs this mpirun; node N `{shlex.join(receiver)} N`, which starts its daemon"
         placement = "\n".join(lines)
         command = node_command(
@@ -221,7 +230,7 @@ class RayBackend:
             node_ip="<node 0 IP>",
             rdzv_endpoint=_NODE0_RDZV,
             run_id=f"{spec.name}-<id>",
-            head_host="<node 0 host>",
+            head=NodePlace("<node 0 IP>", "python", "~", "<node 0 host>", "mpirun"),
         )
         return Rendered(
             backend=self.name,
@@ -309,7 +318,7 @@ class RayBackend:
                 outputs_claim=read_text_or_none(JobOutputs.at(Path(spec.outputs.dir).resolve()).lock),
                 store=store,
                 account=account.name if account is not None else None,
-                head_host=places[0].host,
+                head=places[0],
             )
             ray.get(
                 [
@@ -358,7 +367,7 @@ class AgentLaunch:
     # The job service's account for this job: where Ray's daemons run as root, the agent runs as the account
     # of this name on the node, and what the job needs in its folder is there already.
     account: str | None = None
-    head_host: str = ""  # node 0's host name, which an mpi job's mpirun knows as its own
+    head: NodePlace | None = None  # node 0: an mpi job's mpirun runs there, and knows its host name as its own
 
     def start(self, actor: Any, node: int, place: NodePlace) -> Any:
         if self.store is None:
@@ -375,12 +384,11 @@ class AgentLaunch:
             node_ip=place.ip,
             rdzv_endpoint=self.rdzv_endpoint,
             run_id=self.job_id,
-            head_host=self.head_host,
+            head=self.head or place,
         )
         env = self.env
         if launched_by_mpirun(spec):
-            launches = JobOutputs.at(Path(spec.outputs.dir).resolve()).mpi_launches(self.job_id)
-            env = {**env, **ray_launch_env(self.rdzv_endpoint, launches)}
+            env = {**env, **ray_launch_env(self.rdzv_endpoint, _mpi_launches(spec, self.job_id))}
         if self.account is not None:
             files = {}  # the launcher's account wrote them into the folder every node sees
         return actor.start.remote(command, env, files, log_dir, self.cwd, claim, self.store, node, self.account)
@@ -501,6 +509,7 @@ class NodePlace:
     python: str
     home: str  # the node's home folder: what `~` in outputs.cache_dir means there
     host: str  # its host name
+    mpirun: str | None  # the mpirun beside its Python (the mpi extra), else the first on its PATH
 
     def home_folder(self, path: Path) -> Path:
         """`path`, whose `~` the launcher expanded to its own home, with the node's instead."""
@@ -549,7 +558,11 @@ class NodeAgent:
         import ray
 
         return NodePlace(
-            ray.util.get_node_ip_address(), sys.executable, str(Path("~").expanduser()), socket.gethostname()
+            ray.util.get_node_ip_address(),
+            sys.executable,
+            str(Path("~").expanduser()),
+            socket.gethostname(),
+            find_mpirun(),
         )
 
     def node_id(self) -> str:
