@@ -38,12 +38,17 @@ for question in sys.stdin:
 """
 
 
+def _unshare() -> str | None:
+    """What gives a node a host name of its own: `unshare`, as root."""
+    return shutil.which("unshare") if os.geteuid() == 0 else None
+
+
 def _with_own_host_name(command: list[str]) -> list[str]:
     """`command` under a host name of its own, as a node on another machine has: Open MPI tells its daemons
     apart by host name, and two on one name do not finish a job. `localhost`, which resolves everywhere (as
     other nodes' names do on a real cluster), in a UTS namespace of its own (root); as it is elsewhere."""
-    unshare = shutil.which("unshare")
-    if os.geteuid() != 0 or unshare is None:
+    unshare = _unshare()
+    if unshare is None:
         return command
     return [unshare, "--uts", "/bin/sh", "-c", 'hostname localhost && exec "$@"', "node", *command]
 
@@ -61,6 +66,7 @@ class RayCluster:
         self.nodes: list[subprocess.Popen[bytes]] = []
         self._probe: subprocess.Popen[bytes] | None = None  # the connected driver that _ask() asks
         self._probe_output = b""  # what it printed that is not read yet
+        self.own_host_names = _unshare() is not None  # every node but the head under a host name of its own
 
     def client_env(self, **extra: str) -> dict[str, str]:
         """The current environment plus what a launcher needs to join this cluster: the address and the token."""

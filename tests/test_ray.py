@@ -36,7 +36,15 @@ from test_session import session_job
 
 from clusterfit.backends.job_env import job_base_env
 from clusterfit.backends.job_folder import JobAccount
-from clusterfit.backends.ray import AgentState, NodeAgent, check_shared_outputs, job_exit_code, node_account
+from clusterfit.backends.ray import (
+    AgentState,
+    NodeAgent,
+    NodePlace,
+    check_own_host_names,
+    check_shared_outputs,
+    job_exit_code,
+    node_account,
+)
 from clusterfit.errors import EngineError
 from clusterfit.outputs import JobOutputs, RecordKind, membership_changes, read_heartbeats, read_records
 from clusterfit.service.migrate import open_store
@@ -128,6 +136,14 @@ def test_an_mpi_job_renders_mpirun_over_the_nodes_and_refuses_outputs_at_a_url(t
         "error: outputs.dir = 'az://outputs/runs/mpi': an mpi job on Ray starts every rank from one mpirun, with no "
         "copy of the outputs on each node; give outputs.dir a folder on the cluster's shared filesystem"
     ], refused.stderr
+
+
+def test_an_mpi_job_on_nodes_that_share_a_host_name_is_refused_in_one_line() -> None:
+    """Open MPI's daemons on two nodes of one host name never finish a job: refused before anything starts."""
+    places = [NodePlace(ip, "python", "/root", host, "mpirun") for ip, host in [("10.0.0.1", "a"), ("10.0.0.2", "a")]]
+    with pytest.raises(EngineError, match=r"^Ray nodes 10.0.0.1 and 10.0.0.2 share the host name 'a', and Open MPI"):
+        check_own_host_names(places)
+    check_own_host_names([places[0], NodePlace("10.0.0.2", "python", "/root", "b", None)])
 
 
 def test_a_node_without_mpirun_refuses_in_one_line(tmp_path: Path) -> None:
@@ -533,6 +549,8 @@ def test_a_command_job_gets_its_environment_on_two_ray_nodes(
     if kind == "tensorflow":  # and a real cluster of both workers
         job["command"] += " && python tf_multiworker.py"
     if kind == "mpi":  # and one MPI world across both nodes, from node 0's mpirun
+        if not ray_cluster.own_host_names:
+            pytest.skip("needs root: the second Ray node's host name of its own (unshare --uts), as Open MPI needs")
         job["command"] += " && python mpi_allreduce.py"
     stdout = _run_to_success(ray_cluster, write_job(tmp_path / "job.yaml", job))
     for rank in range(2):

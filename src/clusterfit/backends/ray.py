@@ -307,6 +307,8 @@ class RayBackend:
         run = RayRun(ref, dict(enumerate(actors)), ray)
         try:
             places = ray.get([actor.where.remote() for actor in actors])
+            if launched_by_mpirun(spec):
+                check_own_host_names(places)
             launch = AgentLaunch(
                 spec=spec,
                 job_id=job_id,
@@ -515,6 +517,20 @@ class NodePlace:
         """`path`, whose `~` the launcher expanded to its own home, with the node's instead."""
         launcher_home = Path("~").expanduser()
         return Path(self.home) / path.relative_to(launcher_home) if path.is_relative_to(launcher_home) else path
+
+
+def check_own_host_names(places: list[NodePlace]) -> None:
+    """EngineError unless every node of an mpi job has a host name of its own: Open MPI tells its daemons apart
+    by host name, and two on one name never finish the job (mpirun waits for ever)."""
+    seen: dict[str, str] = {}
+    for place in places:
+        if place.host in seen:
+            raise EngineError(
+                f"Ray nodes {seen[place.host]} and {place.ip} share the host name {place.host!r}, and Open MPI tells "
+                "the nodes of an mpi job apart by host name; give each Ray node a host name of its own",
+                retryable=False,
+            )
+        seen[place.host] = place.ip
 
 
 def node_account(name: str | None, node_ip: str) -> JobAccount | None:
