@@ -127,7 +127,7 @@ class JobOutputs:
 
     def mpi_launches(self, run_id: str) -> Path:
         """The common prefix of one run's requests from node 0's mpirun to the other nodes (`PREFIX.node-N.sh`,
-        each removed by the node that takes it): what stays is the empty folder, never a stale request."""
+        each removed by the node that takes it): a request that a stopped run left is never another run's."""
         return self.root / MPI_LAUNCH_DIR / run_id
 
 
