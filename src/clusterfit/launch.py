@@ -36,7 +36,7 @@ def preflight(spec: JobSpec) -> None:
     outputs holding another job's checkpoints, and for devices the workers will not have."""
     _check_devices(spec)
     if is_url(spec.outputs.dir):
-        refuse_outputs_at_url(spec, spec.outputs.dir, spec.resources.backend)  # before the store is reached
+        refuse_outputs_at_url(spec, spec.outputs.dir)  # before the store is reached
         check_store(spec.outputs.dir, job_credentials(spec))
     if spec.resources.backend == "kubernetes":
         return  # paths name places inside the pods (image, mounted claims), not on this machine

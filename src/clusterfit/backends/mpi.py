@@ -100,15 +100,16 @@ def ray_launch_env(rdzv_endpoint: str, launches: Path) -> dict[str, str]:
     return {"MASTER_ADDR": address, "MASTER_PORT": port, MPI_LAUNCHES_ENV: str(launches)}
 
 
-_ENGINE_NAMES = {"local": "this machine", "slurm": "Slurm", "ray": "Ray"}
+_CLUSTER_NAMES = {"slurm": "Slurm", "ray": "Ray"}
 
 
-def refuse_outputs_at_url(spec: JobSpec, url: str | None, engine: str) -> None:
+def refuse_outputs_at_url(spec: JobSpec, url: str | None) -> None:
     """SpecError for an mpi job on a cluster whose outputs are at a URL: one mpirun starts every rank, and no
-    node's agent keeps a copy of the outputs that would go to the store."""
-    if url is not None and launched_by_mpirun(spec) and engine != "local":
+    node's agent keeps a copy of the outputs that would go to the store (this machine's job needs none)."""
+    cluster = _CLUSTER_NAMES.get(spec.resources.backend)
+    if url is not None and launched_by_mpirun(spec) and cluster is not None:
         raise SpecError(
-            f"outputs.dir = {public(url)!r}: an mpi job on {_ENGINE_NAMES[engine]} starts every rank from one "
+            f"outputs.dir = {public(url)!r}: an mpi job on {cluster} starts every rank from one "
             "mpirun, with no copy of the outputs on each node; give outputs.dir a folder on the cluster's shared "
             "filesystem"
         )

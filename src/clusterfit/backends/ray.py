@@ -217,7 +217,7 @@ class RayBackend:
             folder = NodeStore(url, Credentials(), out.cache_dir, out.upload_every_s).folder(f"{spec.name}-<id>", 0)
             node_spec = spec.model_copy(update={"outputs": out.model_copy(update={"dir": str(folder)})})
             lines.append(f"# outputs at {public(url)}: node N works in {str(folder)[:-1]}N, copied to the store")
-        refuse_outputs_at_url(spec, url, "ray")
+        refuse_outputs_at_url(spec, url)
         if launched_by_mpirun(spec):  # no rendezvous: mpirun reaches the other nodes through their actors
             launches = _mpi_launches(spec, f"{spec.name}-<id>")
             receiver = ray_node_command(spec, 1, python="python", mpirun="", head_host="", launches=launches)[:-1]
@@ -261,7 +261,7 @@ class RayBackend:
                 f"outputs.dir = {public(outputs_store)!r}: this job service runs Ray jobs with outputs at a URL only "
                 f"as Ray's own user, not as {account.name}; give outputs.dir a folder every Ray node sees"
             )
-        refuse_outputs_at_url(spec, outputs_store, "ray")
+        refuse_outputs_at_url(spec, outputs_store)
         rendered = self.dry_run(spec)
         ray = _connect(cluster_address(spec))
         if account is not None:  # code, job file and logs folder written by a process of the account's

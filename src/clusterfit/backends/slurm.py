@@ -196,7 +196,7 @@ class SlurmBackend:
     def dry_run(self, spec: JobSpec, outputs_store: str | None = None, workdir: str | None = None) -> Rendered:
         spec, url = as_launched(spec)  # `clusterfit run --dry-run` of a spec whose outputs.dir is a URL
         outputs_store = outputs_store or url
-        refuse_outputs_at_url(spec, outputs_store, "slurm")
+        refuse_outputs_at_url(spec, outputs_store)
         out = Path(spec.outputs.dir)
         script = out / SCRIPT
         text = sbatch_script(spec, python=sys.executable, workdir=workdir or os.getcwd(), outputs_store=outputs_store)
