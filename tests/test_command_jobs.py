@@ -210,31 +210,59 @@ def test_a_missing_code_folder_is_one_line(tmp_path: Path) -> None:
     assert "code = " in result.stderr and "no such folder" in result.stderr
 
 
-def test_cancel_stops_a_worker_that_ignores_sigterm(tmp_path: Path) -> None:
-    """torchrun puts each worker in a session of its own: a worker deaf to SIGTERM is still killed on cancel."""
+def _start_deaf_job(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, list[int]]:
+    """`clusterfit run` of a 1-rank job whose worker ignores SIGTERM, once that worker runs: the launcher (its
+    output in tmp_path/run.out) and the worker's pids."""
     out = tmp_path / "out"
     marker = f"deaf to SIGTERM in {tmp_path}"  # unique: other runs' processes never count
     stubborn = f"trap '' TERM; echo {marker}; while true; do sleep 0.2; done"
     job = command_job(out, user_code(tmp_path), stubborn, processes=1)
-    launcher = subprocess.Popen(
-        cli_command("run", str(write_job(tmp_path / "job.yaml", job))),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    printed = tmp_path / "run.out"
+    with printed.open("wb") as sink:
+        launcher = subprocess.Popen(
+            cli_command("run", str(write_job(tmp_path / "job.yaml", job))),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "COLUMNS": "200"},
+            start_new_session=True,
+        )
     log = out / "logs" / "rank-0.log"
+    wait_for(lambda: log.exists() and marker in log.read_text(), 120, "the worker to start")
+    pids = (int(proc.name) for proc in Path("/proc").iterdir() if proc.name.isdigit())
+    worker = [pid for pid in pids if marker.encode() in _cmdline(Path(f"/proc/{pid}"))]
+    assert worker
+    return launcher, printed, worker
+
+
+def test_cancel_stops_a_worker_that_ignores_sigterm(tmp_path: Path) -> None:
+    """torchrun puts each worker in a session of its own: a worker deaf to SIGTERM is still killed on cancel."""
+    launcher, _, worker = _start_deaf_job(tmp_path)
     try:
-        wait_for(lambda: log.exists() and marker in log.read_text(), 120, "the worker to start")
-        worker = [
-            int(entry.name)
-            for entry in Path("/proc").iterdir()
-            if entry.name.isdigit() and marker.encode() in _cmdline(entry)
-        ]
-        assert worker
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(120) == 130
     finally:
         launcher.kill()
+    wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in worker), 10, "the deaf worker to be killed")
+
+
+def test_a_second_ctrl_c_leaves_at_once_and_the_next_command_stops_what_is_left(tmp_path: Path) -> None:
+    """The first Ctrl-C waits for every worker to stop (here the 20 s grace of a worker deaf to SIGTERM); a
+    second leaves at once and says how to stop what is left: any command that reads the store finds the job's
+    supervisor gone and stops its processes."""
+    launcher, printed, worker = _start_deaf_job(tmp_path)
+    try:
+        launcher.send_signal(signal.SIGINT)
+        wait_for(lambda: "cancel requested; stopping every process" in printed.read_text(), 30, "the cancel")
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(10) == 130
+    finally:
+        launcher.kill()
+    job_id = printed.read_text().split()[1]
+    left = f"job {job_id}: left without waiting for its workers; `clusterfit status {job_id}` stops them"
+    assert left in printed.read_text()
+    assert any(Path(f"/proc/{pid}").exists() for pid in worker)  # deaf, and nobody waited to kill it
+    result = run_cli("status", job_id)
+    assert result.returncode == 0 and "CANCELLED" in result.stdout, result.stderr
     wait_for(lambda: not any(Path(f"/proc/{pid}").exists() for pid in worker), 10, "the deaf worker to be killed")
 
 

@@ -112,13 +112,15 @@ def _run_in_foreground(spec: JobSpec) -> None:
     job = record_job(store, spec, owner=local_user())
     out = JobOutputs.at(job.outputs_dir)
     console.print(f"job {job.id} ({spec.name}) on the {spec.resources.backend} engine", markup=False)
-    signal.signal(signal.SIGTERM, _interrupt)  # `kill` of the launcher cancels the job like Ctrl-C
-    # NOTE: a process started in the background by a non-interactive shell inherits SIGINT ignored, and Python
-    # then never raises KeyboardInterrupt: Ctrl-C (or `kill -INT`) must cancel the job however it was started.
-    signal.signal(signal.SIGINT, _interrupt)
+    interrupt = _Interrupt()
     with LiveView(out, spec.world_size, console) as view:
         say = partial(view.bar.console.print, markup=False, highlight=False, soft_wrap=True)
-        final = Supervisor(store, job.id, poll_s=0.2, on_tick=view.tick, log=say).run()
+        supervisor = Supervisor(store, job.id, poll_s=0.2, on_tick=view.tick, log=say, interrupted=interrupt.received)
+        try:
+            final = supervisor.run()
+        except KeyboardInterrupt:  # the second Ctrl-C
+            errors.print(f"job {job.id}: left without waiting for its workers; `clusterfit status {job.id}` stops them")
+            raise typer.Exit(130) from None
     schedule(store)  # the machine is free again for queued jobs
     if final.job_state is JobState.SUCCEEDED:
         view.release_tracebacks()  # the job survived them: show them
@@ -847,8 +849,26 @@ def _print_sweep(name: str, jobs: JobService) -> None:
         console.print(f"best: trial {best['trial']} {best['params']} -> {best['outputs']}", markup=False)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+class _Interrupt:
+    """Ctrl-C or SIGTERM of a foreground run: the first cancels the job at the supervisor's next tick (every
+    worker stopped), a second leaves at once.
+
+    NOTE: raising KeyboardInterrupt at the first signal threw it wherever the main thread was: inside a job-store
+    write it could leave SQLite's write lock held, and the cancel then waited on that lock. A process started in
+    the background by a non-interactive shell inherits SIGINT ignored, so the handler is set for SIGINT too."""
+
+    def __init__(self) -> None:
+        self._count = 0
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._handle)
+
+    def received(self) -> bool:
+        return self._count > 0
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self._count += 1
+        if self._count > 1:
+            raise KeyboardInterrupt
 
 
 def _print_summary(out: JobOutputs) -> None:

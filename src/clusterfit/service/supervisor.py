@@ -90,10 +90,13 @@ class Supervisor:
         on_tick: Callable[[], None] | None = None,
         log: Callable[[str], None] = print,
         confined: bool = False,
+        interrupted: Callable[[], bool] = lambda: False,
     ) -> None:
         # confined: a job of the job service, whose processes get an allow-listed environment (job_env),
         # never this process's (which holds the server's home, database URL and capacity).
+        # interrupted: whether Ctrl-C or SIGTERM reached a foreground run; it cancels the job at the next tick.
         self.store, self.job_id = store, job_id
+        self.interrupted = interrupted
         self.confined = confined
         # A root server's job runs as an unprivileged account (service/accounts.py); known at each attempt.
         self.account: JobAccount | None = None
@@ -199,6 +202,8 @@ class Supervisor:
         ooms_before = oom_kill_count()
         agent_log = outputs.agent_log
         agent_log_start = agent_log.stat().st_size if agent_log.exists() else 0
+        if self._cancel_requested(job.id):  # while its data was checked: nothing of it has started
+            return Outcome.CANCELLED, Failure(FailureCause.CANCELLED, "cancelled by user before it started")
         self.log(f"job {job.id} attempt {attempt}: submitting to the {backend.name} engine")
         try:
             options: dict[str, Any] = {} if outputs_store is None else {"outputs_store": outputs_store}
@@ -208,12 +213,7 @@ class Supervisor:
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
             return Outcome.FAILED, failure_for_error(exc, backend.name)
         self.store.update(job.id, engine_ref=dump_json(asdict(handle.ref)))
-        try:
-            outcome, detail = self._watch(job.id, spec, attempt, handle, ended)
-        except KeyboardInterrupt:
-            self.store.request_cancel(job.id)
-            handle.cancel()
-            outcome, detail = Outcome.CANCELLED, "interrupted in the foreground (Ctrl-C or SIGTERM)"
+        outcome, detail = self._watch(job.id, spec, attempt, handle, ended)
         code = handle.poll()
         if ended is not None:
             ended()
@@ -259,7 +259,7 @@ class Supervisor:
                 self.on_tick()
             if code is not None:
                 return Outcome.SUCCEEDED if code == 0 else Outcome.FAILED, ""
-            if self.store.get(job_id).cancel_requested_at is not None:
+            if self._cancel_requested(job_id):
                 self.log(f"job {job_id}: cancel requested; stopping every process")
                 handle.cancel()
                 step = self._record_last_progress(job_id, progress, metrics, outputs, attempt, spec.world_size)
@@ -277,6 +277,13 @@ class Supervisor:
                 self._record_last_progress(job_id, progress, metrics, outputs, attempt, spec.world_size)
                 return Outcome.HUNG, hung
             time.sleep(self.poll_s)
+
+    def _cancel_requested(self, job_id: str) -> bool:
+        """A request in the store, or Ctrl-C of the foreground run, which is stored as one: `status` says so."""
+        if self.interrupted():
+            self.store.request_cancel(job_id)
+            return True
+        return self.store.get(job_id).cancel_requested_at is not None
 
     def _record_last_progress(
         self,
@@ -315,7 +322,7 @@ class Supervisor:
         job = self.store.get(job_id)
         decision = decide_after_failure(failure.cause, attempt, job.max_retries)
         self.log(f"job {job_id} attempt {attempt} failed: {failure.cause.words}: {failure.summary}. {decision.reason}")
-        if decision.decision is Decision.RETRY and job.cancel_requested_at is None:
+        if decision.decision is Decision.RETRY and not self._cancel_requested(job_id):
             job = self.store.transition(job_id, JobState.RETRYING, f"{failure.summary}; {decision.reason}", **fields)
             return self._pause_before_retry(job, decision.pause_s)
         return self.store.transition(job_id, JobState.FAILED, failure.summary, **fields)
@@ -323,13 +330,10 @@ class Supervisor:
     def _pause_before_retry(self, job: Job, seconds: float) -> Job:
         """Waits before the next attempt; a cancel request (or Ctrl-C in the foreground) ends the job instead."""
         deadline = time.monotonic() + seconds
-        try:
-            while self.store.get(job.id).cancel_requested_at is None:
-                if (left := deadline - time.monotonic()) <= 0:
-                    return job
-                time.sleep(min(self.poll_s, left))
-        except KeyboardInterrupt:
-            self.store.request_cancel(job.id)
+        while not self._cancel_requested(job.id):
+            if (left := deadline - time.monotonic()) <= 0:
+                return job
+            time.sleep(min(self.poll_s, left))
         summary = "cancelled by user while waiting to retry"
         return self.store.transition(
             job.id, JobState.CANCELLED, summary, cause=FailureCause.CANCELLED.value, cause_detail=summary
