@@ -12,16 +12,23 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from confinement import memory_limit_missing, memory_limited, small_shm, small_shm_missing
 from conftest import cli_command, processes_mentioning, run_cli, tiny_job, wait_for, write_job
+from sqlalchemy import update
 
 from clusterfit.outputs import JobOutputs, RankBeat, read_heartbeats
 from clusterfit.service.migrate import open_store
+from clusterfit.service.records import record_job
+from clusterfit.service.states import JobState
+from clusterfit.service.store import Job, utcnow
+from clusterfit.spec import load_spec
 
 
 def _submit(tmp_path: Path, name: str = "tiny", prefix: Sequence[str] = (), **changes: Any) -> tuple[str, Path]:
@@ -288,6 +295,42 @@ def test_a_job_whose_supervisor_died_is_not_shown_running(tmp_path: Path) -> Non
     status = _status(job_id)
     assert "FAILED" in status and "cause: node lost (NODE_LOST)" in status
     assert f"the process supervising this job (pid {supervisor} on" in status
+
+
+def test_a_job_whose_starter_died_before_its_supervisor_is_queued_again_and_runs_once(tmp_path: Path) -> None:
+    """A submitter killed between the scheduler's claim of a job and the start of its supervisor (a sweep driver
+    killed mid-submit) left it STAGING for ever, then FAILED as a lost node. It is queued again instead, and a
+    second supervisor started for a running job leaves it to the first."""
+    out = tmp_path / "out"
+    spec = {
+        "name": "orphan",
+        "command": "sleep 2; echo ran once",
+        "distribution": {"type": "pytorch", "process_count_per_instance": 1},
+        "resources": {"instance_count": 1, "backend": "local"},
+        "outputs": {"dir": str(out)},
+    }
+    store = open_store()
+    job = record_job(store, load_spec(write_job(tmp_path / "job.yaml", spec)))
+    store.transition(job.id, JobState.STAGING, "started by the scheduler")  # ... which then died
+    with store.session() as session:  # as long ago as a supervisor may take to start
+        session.execute(update(Job).where(Job.id == job.id).values(updated_at=utcnow() - timedelta(minutes=2)))
+
+    assert "SUCCEEDED" not in _status(job.id)  # any command that reads the store puts it back and starts it
+    wait_for(lambda: _state(job.id) == "RUNNING", 60, "RUNNING")
+    second = subprocess.run([sys.executable, "-m", "clusterfit.service.supervisor", job.id], check=True)
+    assert second.returncode == 0
+    assert _ended(job.id) == "SUCCEEDED"
+    events = [(event.state, event.message) for event in store.events(job.id)]
+    assert events[:4] == [
+        ("QUEUED", "submitted"),
+        ("STAGING", "started by the scheduler"),
+        ("QUEUED", "queued again: whoever started it stopped before its supervisor began"),
+        ("STAGING", "started by the scheduler"),
+    ]
+    assert store.get(job.id).attempt == 1
+    assert (out / "logs" / "rank-0.log").read_text().count("ran once") == 1
+    supervisor_log = (out / "logs" / "supervisor.log").read_text()
+    assert f"job {job.id} is RUNNING and supervised by another process; leaving it alone" in supervisor_log
 
 
 def test_a_bad_spec_is_refused_at_submit_and_nothing_is_recorded(tmp_path: Path) -> None:

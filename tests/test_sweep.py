@@ -55,8 +55,9 @@ def test_trials_run_side_by_side_and_the_best_is_found(tmp_path: Path, tiny_imag
     driver.wait()
     result = run_cli("sweep", "run", str(sweep), *changes, "--poll", "0.3", cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "resuming with 2 trial(s) running" in result.stdout
-    assert result.stdout.count(": job ") == 4 and "best: trial" in result.stdout  # the first two are not new
+    assert "resuming with 2 trial(s) running" in result.stdout, result.stdout
+    # The first two are not new, and none failed (": job X ended FAILED").
+    assert result.stdout.count(": job ") == 4 and "best: trial" in result.stdout, result.stdout
 
     study = find_study("lr")
     assert [t.state.name for t in study.trials] == ["COMPLETE"] * 6

@@ -25,6 +25,7 @@ from clusterfit.service.store import Job, JobStore, StateConflict, utcnow
 from clusterfit.storage.filesystems import drop_store_credentials
 
 _SUPERVISOR_SILENCE = timedelta(seconds=60)  # a supervisor on another host writes at least every 2 s
+_REQUEUED = "queued again: whoever started it stopped before its supervisor began"
 
 
 def schedule(store: JobStore, capacity: int | None = None) -> list[str]:
@@ -80,6 +81,10 @@ def reconcile(store: JobStore) -> list[str]:
     settled: list[str] = []
     for job in store.active_jobs():
         if supervisor_alive(job):
+            continue
+        unstarted = not job.supervisor and job.cancel_requested_at is None
+        if unstarted and store.requeue_unsupervised(job.id, _REQUEUED):
+            settled.append(job.id)  # the room it held is free again, and it waits for it in its place
             continue
         if job.engine_ref:
             ref = EngineRef(**json.loads(job.engine_ref))

@@ -270,6 +270,32 @@ class JobStore:
         with self.session() as session:
             session.execute(update(Job).where(Job.id == job_id).values(updated_at=utcnow(), **fields))
 
+    def claim_supervision(self, job_id: str, supervisor: str) -> bool:
+        """Record `supervisor` (JSON) as the staging job's one supervisor; False when another process claimed it
+        first or the job was queued again (`requeue_unsupervised`): the caller must then leave it alone."""
+        with self.session() as session:
+            result = session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state == JobState.STAGING.value, Job.supervisor.is_(None))
+                .values(supervisor=supervisor, updated_at=utcnow())
+            )
+            return result.rowcount == 1
+
+    def requeue_unsupervised(self, job_id: str, message: str) -> bool:
+        """A staging job that no supervisor ever claimed (whoever started it died first) goes back to the queue,
+        as if never started; False when a supervisor claimed it meanwhile."""
+        now = utcnow()
+        with self.session() as session:
+            result = session.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.state == JobState.STAGING.value, Job.supervisor.is_(None))
+                .values(state=JobState.QUEUED.value, started_at=None, updated_at=now)
+            )
+            if result.rowcount != 1:
+                return False
+            session.add(JobEvent(job_id=job_id, at=now, state=JobState.QUEUED.value, message=message))
+        return True
+
     def request_cancel(self, job_id: str) -> Job:
         with self.session() as session:
             session.execute(

@@ -105,10 +105,13 @@ class Supervisor:
 
     def run(self) -> Job:
         """Run attempts until the job ends; returns its final record."""
+        if not self.store.claim_supervision(self.job_id, dump_json(this_supervisor())):
+            # A process that started slower than the scheduler waits for finds its job queued again (another
+            # supervisor will take it), or a second process was started for one job: not this one's to run.
+            job = self.store.get(self.job_id)
+            self.log(f"job {job.id} is {job.state} and supervised by another process; leaving it alone")
+            return job
         job = self.store.get(self.job_id)
-        if job.job_state is JobState.QUEUED:  # `clusterfit run`: the foreground user is the scheduler
-            job = self.store.transition(job.id, JobState.STAGING, "started in the foreground")
-        self.store.update(job.id, supervisor=dump_json(this_supervisor()))
         try:
             while True:
                 attempt = job.attempt + 1
@@ -399,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             final = Supervisor(store, job_id, log=stamped, confined=True).run()
-            stamped(f"job {job_id} ended {final.state}")
+            if final.job_state.is_terminal:
+                stamped(f"job {job_id} ended {final.state}")
         finally:
             schedule(store)  # this job's slots are free: start whatever waits for them
     return 0
