@@ -123,6 +123,40 @@ def test_only_one_of_many_racing_claims_wins(store_url: str) -> None:
     assert [event.state for event in store.events(job_id)].count("STAGING") == 1
 
 
+def test_one_supervisor_claims_a_job_and_an_unclaimed_one_goes_back_to_the_queue(store_url: str) -> None:
+    store = open_store(store_url)
+    job_id = _add(store)
+    assert not store.claim_supervision(job_id, '{"pid": "1"}')  # queued: the scheduler has not started it
+    store.transition(job_id, JobState.STAGING, "started by the scheduler")
+    assert store.requeue_unsupervised(job_id, "queued again")  # its starter died before a supervisor began
+    job = store.get(job_id)
+    assert job.state == "QUEUED" and job.started_at is None and [j.id for j in store.queued_in_order()] == [job_id]
+    store.transition(job_id, JobState.STAGING, "started by the scheduler")
+
+    def claim(pid: int) -> bool:
+        return open_store(store_url).claim_supervision(job_id, f'{{"pid": "{pid}"}}')
+
+    with ThreadPoolExecutor(8) as pool:
+        wins = list(pool.map(claim, range(8)))
+    assert sum(wins) == 1
+    assert store.get(job_id).supervisor == f'{{"pid": "{wins.index(True)}"}}'
+    assert not store.requeue_unsupervised(job_id, "queued again")  # it has a supervisor: it stays
+    assert [(e.state, e.message) for e in store.events(job_id)][1:] == [
+        ("STAGING", "started by the scheduler"),
+        ("QUEUED", "queued again"),
+        ("STAGING", "started by the scheduler"),
+    ]
+
+
+def test_a_job_run_in_the_foreground_is_recorded_started_so_no_scheduler_takes_it(store_url: str) -> None:
+    store = open_store(store_url)
+    job = store.add_job(name="fg", backend="local", ranks=1, outputs_dir="/tmp/o", spec_yaml="name: x\n", started=True)
+    assert job.state == "STAGING" and job.started_at is not None
+    assert store.queued_in_order() == []
+    assert [(e.state, e.message) for e in store.events(job.id)] == [("STAGING", "started in the foreground")]
+    assert store.claim_supervision(job.id, '{"pid": "1"}')
+
+
 def test_ids_resolve_by_unique_prefix(store_url: str) -> None:
     store = open_store(store_url)
     job_id = _add(store)

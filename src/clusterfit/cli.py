@@ -109,8 +109,7 @@ def _run_in_foreground(spec: JobSpec) -> None:
     from clusterfit.service.supervisor import Supervisor
 
     store = _store()
-    job = record_job(store, spec, owner=local_user())
-    store.transition(job.id, JobState.STAGING, "started in the foreground")  # this user is its scheduler
+    job = record_job(store, spec, owner=local_user(), started=True)  # this user is its scheduler
     out = JobOutputs.at(job.outputs_dir)
     console.print(f"job {job.id} ({spec.name}) on the {spec.resources.backend} engine", markup=False)
     interrupt = _Interrupt()

@@ -20,8 +20,9 @@ from clusterfit.spec.model import is_url
 _SECRETS_DIR = "secrets"
 
 
-def record_job(store: JobStore, spec: JobSpec, owner: str = "") -> Job:
-    """A validated spec becomes a QUEUED job; its SAS token (if any) waits in a file only its owner can read."""
+def record_job(store: JobStore, spec: JobSpec, owner: str = "", *, started: bool = False) -> Job:
+    """A validated spec becomes a QUEUED job (STAGING if `started`: `clusterfit run`, which supervises it itself,
+    so no scheduler may start it too); its SAS token (if any) waits in a file only its owner can read."""
     job = store.add_job(
         name=spec.name,
         backend=spec.resources.backend,
@@ -31,6 +32,7 @@ def record_job(store: JobStore, spec: JobSpec, owner: str = "") -> Job:
         priority=spec.queue_settings.priority,
         max_retries=spec.limits.max_retries,
         owner=owner,
+        started=started,
     )
     if spec.storage.sas_token is not None:
         path = _secret_path(job.id)

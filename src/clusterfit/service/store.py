@@ -188,12 +188,14 @@ class JobStore:
         priority: int = 0,
         max_retries: int = 0,
         owner: str = "",
+        started: bool = False,
     ) -> Job:
+        """A new job, QUEUED for the scheduler, or `started` (STAGING) by a caller that supervises it itself."""
         now = utcnow()
         job = Job(
             id=new_job_id(),
             name=name,
-            state=JobState.QUEUED.value,
+            state=(JobState.STAGING if started else JobState.QUEUED).value,
             priority=priority,
             backend=backend,
             ranks=ranks,
@@ -203,11 +205,13 @@ class JobStore:
             attempt=0,
             max_retries=max_retries,
             submitted_at=now,
+            started_at=now if started else None,
             updated_at=now,
         )
         with self.session() as session:
             session.add(job)
-            session.add(JobEvent(job_id=job.id, at=now, state=job.state, message="submitted"))
+            message = "started in the foreground" if started else "submitted"
+            session.add(JobEvent(job_id=job.id, at=now, state=job.state, message=message))
         return job
 
     def get(self, job_id: str) -> Job:
