@@ -148,13 +148,17 @@ def test_one_supervisor_claims_a_job_and_an_unclaimed_one_goes_back_to_the_queue
     ]
 
 
-def test_a_job_run_in_the_foreground_is_recorded_started_so_no_scheduler_takes_it(store_url: str) -> None:
+def test_a_job_run_in_the_foreground_is_recorded_started_and_claimed(store_url: str) -> None:
+    """No scheduler can start it too, and if its process dies it is not queued again (it is not to run unseen)."""
     store = open_store(store_url)
-    job = store.add_job(name="fg", backend="local", ranks=1, outputs_dir="/tmp/o", spec_yaml="name: x\n", started=True)
+    mine = '{"pid": "1"}'
+    job = store.add_job(name="fg", backend="local", ranks=1, outputs_dir="/o", spec_yaml="name: x\n", supervisor=mine)
     assert job.state == "STAGING" and job.started_at is not None
     assert store.queued_in_order() == []
     assert [(e.state, e.message) for e in store.events(job.id)] == [("STAGING", "started in the foreground")]
-    assert store.claim_supervision(job.id, '{"pid": "1"}')
+    assert not store.requeue_unsupervised(job.id, "queued again")
+    assert not store.claim_supervision(job.id, '{"pid": "2"}')
+    assert store.claim_supervision(job.id, mine)
 
 
 def test_ids_resolve_by_unique_prefix(store_url: str) -> None:

@@ -106,10 +106,11 @@ def _run_in_foreground(spec: JobSpec) -> None:
     from clusterfit.service.records import record_job
     from clusterfit.service.scheduler import schedule
     from clusterfit.service.states import JobState
-    from clusterfit.service.supervisor import Supervisor
+    from clusterfit.service.store import dump_json
+    from clusterfit.service.supervisor import Supervisor, this_supervisor
 
     store = _store()
-    job = record_job(store, spec, owner=local_user(), started=True)  # this user is its scheduler
+    job = record_job(store, spec, owner=local_user(), supervisor=dump_json(this_supervisor()))  # its scheduler too
     out = JobOutputs.at(job.outputs_dir)
     console.print(f"job {job.id} ({spec.name}) on the {spec.resources.backend} engine", markup=False)
     interrupt = _Interrupt()

@@ -20,9 +20,9 @@ from clusterfit.spec.model import is_url
 _SECRETS_DIR = "secrets"
 
 
-def record_job(store: JobStore, spec: JobSpec, owner: str = "", *, started: bool = False) -> Job:
-    """A validated spec becomes a QUEUED job (STAGING if `started`: `clusterfit run`, which supervises it itself,
-    so no scheduler may start it too); its SAS token (if any) waits in a file only its owner can read."""
+def record_job(store: JobStore, spec: JobSpec, owner: str = "", *, supervisor: str | None = None) -> Job:
+    """A validated spec becomes a QUEUED job, or one already started by its `supervisor` (`clusterfit run`,
+    see JobStore.add_job); its SAS token (if any) waits in a file only its owner can read."""
     job = store.add_job(
         name=spec.name,
         backend=spec.resources.backend,
@@ -32,7 +32,7 @@ def record_job(store: JobStore, spec: JobSpec, owner: str = "", *, started: bool
         priority=spec.queue_settings.priority,
         max_retries=spec.limits.max_retries,
         owner=owner,
-        started=started,
+        supervisor=supervisor,
     )
     if spec.storage.sas_token is not None:
         path = _secret_path(job.id)

@@ -24,6 +24,7 @@ from sqlalchemy import (
     create_engine,
     event,
     func,
+    or_,
     select,
     update,
 )
@@ -188,9 +189,12 @@ class JobStore:
         priority: int = 0,
         max_retries: int = 0,
         owner: str = "",
-        started: bool = False,
+        supervisor: str | None = None,
     ) -> Job:
-        """A new job, QUEUED for the scheduler, or `started` (STAGING) by a caller that supervises it itself."""
+        """A new job, QUEUED for the scheduler; or, with the `supervisor` (JSON) that runs it itself, STAGING and
+        already claimed, so that no scheduler starts it too and a supervisor that dies leaves it failed, never
+        queued again."""
+        started = supervisor is not None
         now = utcnow()
         job = Job(
             id=new_job_id(),
@@ -206,6 +210,7 @@ class JobStore:
             max_retries=max_retries,
             submitted_at=now,
             started_at=now if started else None,
+            supervisor=supervisor,
             updated_at=now,
         )
         with self.session() as session:
@@ -275,12 +280,14 @@ class JobStore:
             session.execute(update(Job).where(Job.id == job_id).values(updated_at=utcnow(), **fields))
 
     def claim_supervision(self, job_id: str, supervisor: str) -> bool:
-        """Record `supervisor` (JSON) as the staging job's one supervisor; False when another process claimed it
-        first or the job was queued again (`requeue_unsupervised`): the caller must then leave it alone."""
+        """Record `supervisor` (JSON) as the staging job's one supervisor (it may have been recorded with the job);
+        False when another process claimed it first or the job was queued again (`requeue_unsupervised`): the
+        caller must then leave it alone."""
+        unclaimed_or_mine = or_(Job.supervisor.is_(None), Job.supervisor == supervisor)
         with self.session() as session:
             result = session.execute(
                 update(Job)
-                .where(Job.id == job_id, Job.state == JobState.STAGING.value, Job.supervisor.is_(None))
+                .where(Job.id == job_id, Job.state == JobState.STAGING.value, unclaimed_or_mine)
                 .values(supervisor=supervisor, updated_at=utcnow())
             )
             return result.rowcount == 1
