@@ -299,12 +299,12 @@ def test_a_job_whose_supervisor_died_is_not_shown_running(tmp_path: Path) -> Non
 
 def test_a_job_whose_starter_died_before_its_supervisor_is_queued_again_and_runs_once(tmp_path: Path) -> None:
     """A submitter killed between the scheduler's claim of a job and the start of its supervisor (a sweep driver
-    killed mid-submit) left it STAGING for ever, then FAILED as a lost node. It is queued again instead, and a
-    second supervisor started for a running job leaves it to the first."""
-    out = tmp_path / "out"
+    killed mid-submit) left it STAGING for ever, then FAILED as a lost node. It is queued again instead; a second
+    supervisor started for the running job, or for the ended one, leaves it alone."""
+    out, go = tmp_path / "out", tmp_path / "go"
     spec = {
         "name": "orphan",
-        "command": "sleep 2; echo ran once",
+        "command": f"while [ ! -e {go} ]; do sleep 0.1; done; echo ran once",  # runs until the test has looked
         "distribution": {"type": "pytorch", "process_count_per_instance": 1},
         "resources": {"instance_count": 1, "backend": "local"},
         "outputs": {"dir": str(out)},
@@ -317,20 +317,24 @@ def test_a_job_whose_starter_died_before_its_supervisor_is_queued_again_and_runs
 
     assert "SUCCEEDED" not in _status(job.id)  # any command that reads the store puts it back and starts it
     wait_for(lambda: _state(job.id) == "RUNNING", 60, "RUNNING")
-    second = subprocess.run([sys.executable, "-m", "clusterfit.service.supervisor", job.id], check=True)
-    assert second.returncode == 0
+    supervisor_log = out / "logs" / "supervisor.log"
+
+    def second_supervisor_says(words: str) -> None:
+        subprocess.run([sys.executable, "-m", "clusterfit.service.supervisor", job.id], check=True)  # detaches
+        wait_for(lambda: f"job {job.id} {words}" in supervisor_log.read_text(), 60, words)
+
+    second_supervisor_says("is RUNNING and supervised by another process; leaving it alone")
+    go.touch()
     assert _ended(job.id) == "SUCCEEDED"
-    events = [(event.state, event.message) for event in store.events(job.id)]
-    assert events[:4] == [
+    second_supervisor_says("has ended SUCCEEDED; nothing to supervise")
+    assert _state(job.id) == "SUCCEEDED" and store.get(job.id).attempt == 1
+    assert (out / "logs" / "rank-0.log").read_text().count("ran once") == 1
+    assert [(event.state, event.message) for event in store.events(job.id)][:4] == [
         ("QUEUED", "submitted"),
         ("STAGING", "started by the scheduler"),
         ("QUEUED", "queued again: whoever started it stopped before its supervisor began"),
         ("STAGING", "started by the scheduler"),
     ]
-    assert store.get(job.id).attempt == 1
-    assert (out / "logs" / "rank-0.log").read_text().count("ran once") == 1
-    supervisor_log = (out / "logs" / "supervisor.log").read_text()
-    assert f"job {job.id} is RUNNING and supervised by another process; leaving it alone" in supervisor_log
 
 
 def test_a_bad_spec_is_refused_at_submit_and_nothing_is_recorded(tmp_path: Path) -> None:

@@ -109,7 +109,12 @@ class Supervisor:
             # A process that started slower than the scheduler waits for finds its job queued again (another
             # supervisor will take it), or a second process was started for one job: not this one's to run.
             job = self.store.get(self.job_id)
-            self.log(f"job {job.id} is {job.state} and supervised by another process; leaving it alone")
+            if job.job_state is JobState.QUEUED:
+                self.log(f"job {job.id} was queued again before this process began; leaving it to the scheduler")
+            elif job.job_state.is_terminal:
+                self.log(f"job {job.id} has ended {job.state}; nothing to supervise")
+            else:
+                self.log(f"job {job.id} is {job.state} and supervised by another process; leaving it alone")
             return job
         job = self.store.get(self.job_id)
         try:
