@@ -155,7 +155,10 @@ def test_a_job_run_in_the_foreground_is_recorded_started_and_claimed(store_url: 
     job = store.add_job(name="fg", backend="local", ranks=1, outputs_dir="/o", spec_yaml="name: x\n", supervisor=mine)
     assert job.state == "STAGING" and job.started_at is not None
     assert store.queued_in_order() == []
-    assert [(e.state, e.message) for e in store.events(job.id)] == [("STAGING", "started in the foreground")]
+    assert [(e.state, e.message) for e in store.events(job.id)] == [
+        ("QUEUED", "submitted"),
+        ("STAGING", "started in the foreground"),
+    ]
     assert not store.requeue_unsupervised(job.id, "queued again")
     assert not store.claim_supervision(job.id, '{"pid": "2"}')
     assert store.claim_supervision(job.id, mine)

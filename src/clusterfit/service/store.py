@@ -215,8 +215,9 @@ class JobStore:
         )
         with self.session() as session:
             session.add(job)
-            message = "started in the foreground" if started else "submitted"
-            session.add(JobEvent(job_id=job.id, at=now, state=job.state, message=message))
+            session.add(JobEvent(job_id=job.id, at=now, state=JobState.QUEUED.value, message="submitted"))
+            if started:  # one history for every job: QUEUED, then STAGING
+                session.add(JobEvent(job_id=job.id, at=now, state=job.state, message="started in the foreground"))
         return job
 
     def get(self, job_id: str) -> Job:
