@@ -108,15 +108,20 @@ def _run_in_foreground(spec: JobSpec) -> None:
     from clusterfit.service.states import JobState
     from clusterfit.service.store import dump_json
     from clusterfit.service.supervisor import Supervisor, this_supervisor
+    from clusterfit.worker.stop_signal import StopRequest
 
     store = _store()
     job = record_job(store, spec, owner=local_user(), supervisor=dump_json(this_supervisor()))  # its scheduler too
     out = JobOutputs.at(job.outputs_dir)
     console.print(f"job {job.id} ({spec.name}) on the {spec.resources.backend} engine", markup=False)
-    interrupt = _Interrupt()
+    # Ctrl-C or `kill` of the launcher cancels the job at the supervisor's next tick; a second leaves at once.
+    # NOTE: SIGINT is set too: a process started in the background by a non-interactive shell inherits it ignored.
+    interrupt = StopRequest((signal.SIGINT, signal.SIGTERM), second_interrupts=True)
     with LiveView(out, spec.world_size, console) as view:
         say = partial(view.bar.console.print, markup=False, highlight=False, soft_wrap=True)
-        supervisor = Supervisor(store, job.id, poll_s=0.2, on_tick=view.tick, log=say, interrupted=interrupt.received)
+        supervisor = Supervisor(
+            store, job.id, poll_s=0.2, on_tick=view.tick, log=say, interrupted=lambda: interrupt.received
+        )
         try:
             final = supervisor.run()
         except KeyboardInterrupt:  # the second Ctrl-C
@@ -848,28 +853,6 @@ def _print_sweep(name: str, jobs: JobService) -> None:
     best = next((row for row in rows if row["state"] == "COMPLETE"), None)
     if best is not None:
         console.print(f"best: trial {best['trial']} {best['params']} -> {best['outputs']}", markup=False)
-
-
-class _Interrupt:
-    """Ctrl-C or SIGTERM of a foreground run: the first cancels the job at the supervisor's next tick (every
-    worker stopped), a second leaves at once.
-
-    NOTE: raising KeyboardInterrupt at the first signal threw it wherever the main thread was: inside a job-store
-    write it could leave SQLite's write lock held, and the cancel then waited on that lock. A process started in
-    the background by a non-interactive shell inherits SIGINT ignored, so the handler is set for SIGINT too."""
-
-    def __init__(self) -> None:
-        self._count = 0
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, self._handle)
-
-    def received(self) -> bool:
-        return self._count > 0
-
-    def _handle(self, signum: int, frame: object) -> None:
-        self._count += 1
-        if self._count > 1:
-            raise KeyboardInterrupt
 
 
 def _print_summary(out: JobOutputs) -> None:

@@ -17,14 +17,21 @@ class StoppedForRequeue(Exception):  # noqa: N818 - a planned stop, not an error
 
 
 class StopRequest:
-    """Notes the signals in a handler; `received` says whether one came."""
+    """Notes the signals in a handler; `received` says whether one came. With `second_interrupts`, a second
+    signal raises KeyboardInterrupt: for a user who will not wait for the orderly stop the first one asked for.
 
-    def __init__(self, signals: Iterable[signal.Signals] = (STOP_SIGNAL,)) -> None:
+    NOTE: the first signal only sets the flag, which the caller reads where it is safe to stop. An exception raised
+    by the handler lands wherever the main thread is, inside a database write or holding a lock."""
+
+    def __init__(self, signals: Iterable[signal.Signals] = (STOP_SIGNAL,), *, second_interrupts: bool = False) -> None:
         self.received = False
+        self._second_interrupts = second_interrupts
         # NOTE: set explicitly: the Slurm batch script starts torchrun's agent with the signal ignored (its
         # default action would kill the agent), and the workers inherit that.
         for signum in signals:
             signal.signal(signum, self._note)
 
     def _note(self, signum: int, frame: object) -> None:
+        if self.received and self._second_interrupts:
+            raise KeyboardInterrupt
         self.received = True
