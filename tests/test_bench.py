@@ -79,14 +79,16 @@ def test_the_baselines_ship_inside_the_package_and_run_from_anywhere(tmp_path, m
         ]
         assert all(not name.startswith("clusterfit") or name == BASELINE_MODULE for name in imported), imported
     monkeypatch.chdir(tmp_path)  # nowhere near the repository
-    config = TrainBenchConfig(models=("resnet_tiny",), workers=(1,), image_size=32, batch=2, steps=2, warmup=1)
+    config = TrainBenchConfig(
+        models=("resnet_tiny",), workers=(1,), image_size=32, batch=2, steps=2, warmup=1, window=1
+    )
     assert len(run_baseline(config, "resnet_tiny", 1, "fp32")) == 2
 
 
 def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
     from clusterfit.bench.train import Cell, TrainBenchConfig, TrainBenchReport, plot
 
-    config = TrainBenchConfig(models=("resnet18",), workers=(1, 2), steps=3, warmup=1)
+    config = TrainBenchConfig(models=("resnet18",), workers=(1, 2), steps=3, warmup=1, window=1)
     report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "fp32")
     for system, one, two in (("hand-written DDP", 10.0, 19.0), ("Ray Train", 8.0, 15.0), ("clusterfit", 11.0, 16.5)):
         report.cells += [
@@ -103,11 +105,21 @@ def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
     assert (tmp_path / "chart.png").stat().st_size > 1000
 
 
+def test_bench_train_times_every_system_in_windows_of_whole_steps() -> None:
+    from clusterfit.bench.train import TrainBenchConfig, per_window
+
+    # Windows of 2 steps: the second one's steps take 1/2 and 1 time unit per batch, so 2 batches in 1.5 units
+    # (1.33), not the mean of the two rates (1.5).
+    assert per_window([4.0, 4.0, 2.0, 1.0], 2) == pytest.approx([4.0, 4 / 3])
+    config = TrainBenchConfig(steps=30, warmup=10, window=5)
+    assert config.warmup_windows == 2
+
+
 def test_bench_train_rotates_the_systems_and_marks_ratios_within_noise() -> None:
     from clusterfit.bench.train import Cell, TrainBenchConfig, TrainBenchReport, rotations
 
     assert rotations(("a", "b", "c"), 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
-    config = TrainBenchConfig(models=("resnet18",), workers=(2,), steps=3, warmup=1, ray=False)
+    config = TrainBenchConfig(models=("resnet18",), workers=(2,), steps=3, warmup=1, window=1, ray=False)
     report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "fp32")
     report.cells = [
         Cell("hand-written DDP", "resnet18", 2, 1, [], [10.0, 12.0, 11.0]),
@@ -126,6 +138,8 @@ def test_bench_train_rotates_the_systems_and_marks_ratios_within_noise() -> None
         (["--workers", "0,2"], "error: --workers 0,2: worker counts must be 1 or more"),
         (["--workers", "one"], "error: --workers one: expected a comma-separated list of int"),
         (["--steps", "5", "--warmup", "5"], "error: --steps 5: must exceed --warmup 5 to leave steps to measure"),
+        (["--steps", "30", "--window", "4"], "error: --window 4: must divide --steps 30 and --warmup 5"),
+        (["--window", "0"], "error: --window 0: must divide --steps 30 and --warmup 5"),
         (["--rounds", "0"], "error: --rounds 0: run every system at least once per cell"),
         (
             ["--workers", "1,64", "--cores-per-rank", "1"],

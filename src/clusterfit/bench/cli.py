@@ -60,6 +60,10 @@ def bench_train(
     batch: Annotated[int, typer.Option(min=1, help="Images per rank per step.")] = 16,
     steps: Annotated[int, typer.Option(min=1, help="Training steps per run.")] = 30,
     warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
+    window: Annotated[
+        int,
+        typer.Option(help="Steps per measured window; clusterfit logs (an all-reduce) once a window, as a job."),
+    ] = 5,
     rounds: Annotated[int, typer.Option(help="Runs of every system per cell, in alternating order.")] = 3,
     precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for every system.")] = "auto",
     ray: Annotated[bool, typer.Option(help="Also run the loop under Ray Train's TorchTrainer (the ray extra).")] = True,
@@ -93,6 +97,7 @@ def bench_train(
             batch=batch,
             steps=steps,
             warmup=warmup,
+            window=window,
             rounds=rounds,
             precision=precision,
             ray=ray,

@@ -176,6 +176,7 @@ def measure_buckets(config: CommBenchConfig, precision: str, workdir: Path) -> l
         batch=config.batch,
         steps=config.steps,
         warmup=config.warmup,
+        window=1,  # every step timed: the bucket sizes are compared within clusterfit, each logging alike
         precision=precision,
     )
     results = []

@@ -4,15 +4,20 @@ For each model x worker count, in the same run and on the same model, per-rank b
 channels_last and threads per rank (cores / ranks; with `cores_per_rank`, a cell of n ranks gets n x that
 many cores):
 
-- clusterfit: `clusterfit run` of a synthetic-data job with `log_every_steps: 1`; per-step images/s from its
-  metrics.jsonl;
+- clusterfit: `clusterfit run` of a synthetic-data job that logs every `window` steps; images/s per window from
+  its metrics.jsonl;
 - hand-written: the baselines package's ddp_loop under torchrun; per-step wall time printed by rank 0;
 - Ray Train: the same loop function run by Ray Train's TorchTrainer on a local Ray instance
   (the baselines package's ray_loop); per-step wall time of rank 0.
 
+Every system is measured in windows of `window` steps (the baselines' step times summed per window). A window,
+not a step, because clusterfit's per-step figures would need a log record every step, and each costs a
+collective (the interval's loss averaged over the ranks) that a job pays every `log_every_steps` (10 by
+default): logging every step is a setting no job needs, and it cost about 3 % of a 2-rank ResNet-18 step.
+
 These machines' speed drifts by a quarter within minutes, so a cell runs every system `rounds` times in
 alternation, each round starting with the next system in turn (no system is always first, which measured
-fastest). A run's figure is its median step after `warmup`; a system's figure is the median of its rounds, shown
+fastest). A run's figure is its median window after `warmup` steps; a system's figure is the median of its rounds, shown
 with their range, and a ratio whose two ranges overlap is marked as within noise. Weak-scaling efficiency is
 throughput(n) / (n x throughput(1)); the headline is the ratio clusterfit / each baseline per cell.
 
@@ -67,6 +72,7 @@ class TrainBenchConfig:
     batch: int = 16  # images per rank per step
     steps: int = 30
     warmup: int = 5  # steps left out of the median
+    window: int = 5  # steps per measurement (clusterfit's log_every_steps); divides steps and warmup
     rounds: int = 3  # runs of every system per cell, in alternation
     precision: str = "auto"
     channels_last: bool = True
@@ -77,6 +83,10 @@ class TrainBenchConfig:
     # None: every cell shares all cores (threads per rank = cores / ranks). K: a cell of n ranks runs on n x K
     # cores (CPU affinity), as if each rank brought its own cores: the weak scaling of more machines or GPUs.
     cores_per_rank: int | None = None
+
+    @property
+    def warmup_windows(self) -> int:
+        return self.warmup // self.window
 
     @property
     def systems(self) -> tuple[str, ...]:
@@ -96,6 +106,11 @@ class TrainBenchConfig:
             raise SpecError(f"--rounds {self.rounds}: run every system at least once per cell")
         if self.steps <= self.warmup:
             raise SpecError(f"--steps {self.steps}: must exceed --warmup {self.warmup} to leave steps to measure")
+        if self.window < 1 or self.steps % self.window or self.warmup % self.window:
+            raise SpecError(
+                f"--window {self.window}: must divide --steps {self.steps} and --warmup {self.warmup} "
+                "(windows of whole steps)"
+            )
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise SpecError(f"--precision {self.precision}: choose auto, fp32, bf16 or fp16")
         if self.cores_per_rank is not None:
@@ -126,8 +141,8 @@ class Cell:
     model: str
     workers: int
     threads_per_rank: int
-    step_images_per_s: list[list[float]]  # every measured step of every round, warm-up included
-    round_images_per_s: list[float]  # each round's median after warm-up
+    window_images_per_s: list[list[float]]  # every window of every round, warm-up included
+    round_images_per_s: list[float]  # each round's median window after warm-up
     scaling_efficiency: float | None = None  # throughput(n) / (n x throughput(1)); None without a 1-worker cell
     split: StepSplit | None = None
 
@@ -146,7 +161,7 @@ class Cell:
 
 @dataclass(frozen=True)
 class StepSplit:
-    """Median seconds per step after warm-up, and its parts."""
+    """Seconds per step in the median window after warm-up, and its parts."""
 
     step_s: float
     compute_s: float  # the same per-rank work without communication (hand-written loop, --no-comm)
@@ -204,7 +219,7 @@ class TrainBenchReport:
             f"machine: {m['cpu']}, {m['cores']} cores; torch {m['torch']}; {m['device']}",
             f"{c.image_size}x{c.image_size} synthetic images, batch {c.batch} per rank, {self.precision}, "
             f"channels_last {c.channels_last}; images/s: median over {c.rounds} alternating round(s) of each run's "
-            f"median over steps {c.warmup + 1}-{c.steps} (min-max of the rounds); "
+            f"median window of {c.window} step(s) over steps {c.warmup + 1}-{c.steps} (min-max of the rounds); "
             + (f"a cell of n ranks on n x {c.cores_per_rank} core(s)" if c.cores_per_rank else "all cores shared"),
             "",
             "| model | workers | threads/rank | "
@@ -242,8 +257,8 @@ class TrainBenchReport:
         ]
         lines += [
             "",
-            "Step time split (ms, median step after warm-up; compute = the hand-written loop's ranks without"
-            " communication; the rest = step - compute - data wait):",
+            "Step time split (ms per step in the median window after warm-up; compute = the hand-written loop's"
+            " ranks without communication; the rest = step - compute - data wait):",
             "",
             "| model | workers | system | step | compute | rest: exposed communication + other | data wait |",
             "|---|---:|---|---:|---:|---:|---:|",
@@ -290,6 +305,14 @@ def median_after_warmup(values: list[float], warmup: int) -> float:
     return statistics.median(values[warmup:])
 
 
+def per_window(step_images_per_s: list[float], window: int) -> list[float]:
+    """Images/s of each run of `window` steps: their images over their summed time."""
+    return [
+        window / sum(1 / rate for rate in step_images_per_s[start : start + window])
+        for start in range(0, len(step_images_per_s), window)
+    ]
+
+
 def run_clusterfit(
     config: TrainBenchConfig,
     model: str,
@@ -298,7 +321,8 @@ def run_clusterfit(
     workdir: Path,
     trainer_settings: dict[str, object] | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Per-step global images/s and data-wait seconds of `clusterfit run` on synthetic data, from its metrics."""
+    """Global images/s and data-wait seconds per step of each window of `clusterfit run` on synthetic data,
+    from its metrics (one record per window)."""
     out = workdir / f"clusterfit-{model}-{workers}"
     shutil.rmtree(out, ignore_errors=True)  # each round trains from scratch, not a resume of the last one
     job = {
@@ -311,7 +335,7 @@ def run_clusterfit(
             "batch_size": config.batch,
             "precision": precision,
             "channels_last": config.channels_last,
-            "log_every_steps": 1,
+            "log_every_steps": config.window,
             "checkpoint": {"every_steps": None, "keep": 1},
             **(trainer_settings or {}),
         },
@@ -371,7 +395,7 @@ def run_baseline(
 
 
 def _median_seconds(images_per_s: list[float], config: TrainBenchConfig, workers: int) -> float:
-    return median_after_warmup([config.batch * workers / rate for rate in images_per_s], config.warmup)
+    return median_after_warmup([config.batch * workers / rate for rate in images_per_s], config.warmup_windows)
 
 
 def _run(what: str, command: list[str], env: dict[str, str] | None = None) -> str:
@@ -433,8 +457,11 @@ def _measure_cell(
     for order in orders:
         for name in order:
             run_steps, run_waits = _run_system(name, config, model, workers, precision, tmp)
-            if len(run_steps) != config.steps:
-                raise SpecError(f"{name} ({model}, {workers}): {len(run_steps)} step timings, expected {config.steps}")
+            if len(run_steps) != config.steps // config.window:
+                raise SpecError(
+                    f"{name} ({model}, {workers}): {len(run_steps)} timed windows, expected "
+                    f"{config.steps // config.window}"
+                )
             steps[name].append(run_steps)
             waits[name].append(run_waits)
     compute_s = statistics.median(_median_seconds(run, config, workers) for run in steps[COMPUTE_ONLY])
@@ -444,9 +471,9 @@ def _measure_cell(
         split = StepSplit.of(
             statistics.median(_median_seconds(run, config, workers) for run in steps[system]),
             compute_s,
-            statistics.median(median_after_warmup(run, config.warmup) for run in waits[system]),
+            statistics.median(median_after_warmup(run, config.warmup_windows) for run in waits[system]),
         )
-        rounds = [median_after_warmup(run, config.warmup) for run in steps[system]]
+        rounds = [median_after_warmup(run, config.warmup_windows) for run in steps[system]]
         cells.append(Cell(system, model, workers, threads, steps[system], rounds, split=split))
     return cells, orders
 
@@ -454,14 +481,15 @@ def _measure_cell(
 def _run_system(
     name: str, config: TrainBenchConfig, model: str, workers: int, precision: str, tmp: Path
 ) -> tuple[list[float], list[float]]:
-    """One run: per-step images/s and data-wait seconds (the baselines reuse one batch: no wait)."""
+    """One run: images/s and data-wait seconds per step of each window (the baselines reuse one batch: no wait)."""
     if name == CLUSTERFIT:
         return run_clusterfit(config, model, workers, precision, tmp)
     if name == COMPUTE_ONLY:
         run = run_baseline(config, model, workers, precision, communicate=False)
     else:
         run = run_baseline(config, model, workers, precision, ray=name == RAY_TRAIN)
-    return run, [0.0] * len(run)
+    windows = per_window(run, config.window)
+    return windows, [0.0] * len(windows)
 
 
 def plot(report: TrainBenchReport, path: Path) -> None:
