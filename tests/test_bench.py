@@ -86,18 +86,26 @@ def test_the_baselines_ship_inside_the_package_and_run_from_anywhere(tmp_path, m
 
 
 def test_bench_train_scaling_efficiency_and_ratio_and_chart(tmp_path) -> None:
-    from clusterfit.bench.train import Cell, TrainBenchConfig, TrainBenchReport, plot
+    from clusterfit.bench.train import Cell, StepSplit, TrainBenchConfig, TrainBenchReport, plot
 
-    config = TrainBenchConfig(models=("resnet18",), workers=(1, 2), steps=3, warmup=1, window=1)
+    config = TrainBenchConfig(models=("resnet18",), workers=(1, 2), batch=16, steps=3, warmup=1, window=1)
     report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "fp32")
     for system, one, two in (("hand-written DDP", 10.0, 19.0), ("Ray Train", 8.0, 15.0), ("clusterfit", 11.0, 16.5)):
         report.cells += [
             Cell(system, "resnet18", 1, 2, [[one] * 3], [one]),
-            Cell(system, "resnet18", 2, 1, [[two] * 3], [two]),
+            # Compute alone takes 2.0 s per 2-rank step: that bounds the cell at 16 / (2.0 x 10.0) = 0.80 of the
+            # reference, whatever its communication.
+            Cell(system, "resnet18", 2, 1, [[two] * 3], [two], split=StepSplit.of(32 / two, 2.0, 0.0)),
         ]
     report.fill_scaling()
     assert report.cell("hand-written DDP", "resnet18", 2).scaling_efficiency == 0.95
     assert report.cell("clusterfit", "resnet18", 2).scaling_efficiency == 0.75
+    # Against one reference for all, the hand-written 1-rank cell: clusterfit's fast 1-rank cell no longer counts.
+    clusterfit_two = report.cell("clusterfit", "resnet18", 2)
+    assert clusterfit_two.efficiency_vs_reference == pytest.approx(16.5 / 20.0)
+    assert clusterfit_two.efficiency_bound == pytest.approx(0.8)
+    assert report.cell("clusterfit", "resnet18", 1).efficiency_vs_reference == pytest.approx(1.1)
+    assert "| resnet18 | 2 | clusterfit | 1939 | 2000 | -61 | 0 | 0.82 | 0.80 |" in report.markdown()
     assert report.ratio("resnet18", 1) == 1.1 and report.ratio("resnet18", 2) == 16.5 / 19.0
     assert report.ratio("resnet18", 2, "Ray Train") == 1.1
     assert "| resnet18 | 2 | 1 | 19.0 | 15.0 | 16.5 | 0.87x | 1.10x | 0.95 | 0.94 | 0.75 |" in report.markdown()

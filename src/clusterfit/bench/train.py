@@ -144,6 +144,10 @@ class Cell:
     window_images_per_s: list[list[float]]  # every window of every round, warm-up included
     round_images_per_s: list[float]  # each round's median window after warm-up
     scaling_efficiency: float | None = None  # throughput(n) / (n x throughput(1)); None without a 1-worker cell
+    # Against one reference for every system, the hand-written loop's 1-rank cell: the throughput reached, and
+    # what the cell's compute alone would reach (its exposed communication and other per-step work hidden).
+    efficiency_vs_reference: float | None = None
+    efficiency_bound: float | None = None
     split: StepSplit | None = None
 
     @property
@@ -198,6 +202,11 @@ class TrainBenchReport:
         for c in self.cells:
             one = [o for o in self.cells if (o.system, o.model, o.workers) == (c.system, c.model, 1)]
             c.scaling_efficiency = c.images_per_s / (c.workers * one[0].images_per_s) if one else None
+            reference = [o for o in self.cells if (o.system, o.model, o.workers) == (HAND_WRITTEN, c.model, 1)]
+            if reference:
+                c.efficiency_vs_reference = c.images_per_s / (c.workers * reference[0].images_per_s)
+                if c.split is not None:
+                    c.efficiency_bound = self.config.batch / (c.split.compute_s * reference[0].images_per_s)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -260,18 +269,28 @@ class TrainBenchReport:
             "Step time split (ms per step in the median window after warm-up; compute = the hand-written loop's"
             " ranks without communication; the rest = step - compute - data wait):",
             "",
-            "| model | workers | system | step | compute | rest: exposed communication + other | data wait |",
-            "|---|---:|---|---:|---:|---:|---:|",
+            "| model | workers | system | step | compute | rest: exposed communication + other | data wait "
+            "| eff. vs hand-written 1 rank | eff. with the rest hidden |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|",
         ]
         for model in c.models:
             for n in c.workers:
                 for system in c.systems:
-                    split = self.cell(system, model, n).split
-                    if split is not None:
+                    cell = self.cell(system, model, n)
+                    if cell.split is not None:
+                        split = cell.split
                         lines.append(
                             f"| {model} | {n} | {system} | {1000 * split.step_s:.0f} | {1000 * split.compute_s:.0f} "
-                            f"| {1000 * split.communication_s:.0f} | {1000 * split.data_wait_s:.0f} |"
+                            f"| {1000 * split.communication_s:.0f} | {1000 * split.data_wait_s:.0f} "
+                            f"| {_fraction(cell.efficiency_vs_reference)} | {_fraction(cell.efficiency_bound)} |"
                         )
+        if 1 in c.workers:
+            lines += [
+                "",
+                "Efficiencies against one reference for every system, the hand-written loop on 1 rank:"
+                " throughput(n) / (n x its throughput), and the same with the step cut to its compute (the"
+                " bound if the exposed communication and other per-step work were hidden).",
+            ]
         return "\n".join(lines)
 
 
@@ -285,7 +304,11 @@ def _ratio_key(baseline: str) -> str:
 
 
 def _eff(cell: Cell) -> str:
-    return "-" if cell.scaling_efficiency is None else f"{cell.scaling_efficiency:.2f}"
+    return _fraction(cell.scaling_efficiency)
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def machine_facts() -> dict[str, object]:
