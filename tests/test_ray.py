@@ -653,6 +653,7 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop_and_ray_trai
         assert [len(run) for run in cell["window_images_per_s"]] == [2] and len(cell["round_images_per_s"]) == 1
         assert cell["images_per_s"] == cell["round_images_per_s"][0] > 0
         assert cell["scaling_efficiency"] is None  # no 1-rank cell to compare with
+        assert cell["efficiency_vs_reference"] is None and cell["efficiency_bound"] is None
         split = cell["split"]
         assert split["step_s"] > 0 and split["compute_s"] > 0 and split["data_wait_s"] >= 0
         assert split["communication_s"] == pytest.approx(split["step_s"] - split["compute_s"] - split["data_wait_s"])
