@@ -62,7 +62,7 @@ def bench_train(
     warmup: Annotated[int, typer.Option(min=0, help="First steps left out of the median.")] = 5,
     window: Annotated[
         int,
-        typer.Option(help="Steps per measured window; clusterfit logs (an all-reduce) once a window, as a job."),
+        typer.Option(help="Steps per timed window; clusterfit's job logs (an all-reduce) once per window."),
     ] = 5,
     rounds: Annotated[int, typer.Option(help="Runs of every system per cell, in alternating order.")] = 3,
     precision: Annotated[str, typer.Option(help="auto | fp32 | bf16 | fp16, the same for every system.")] = "auto",

@@ -17,9 +17,9 @@ default): logging every step is a setting no job needs, and it cost about 3 % of
 
 These machines' speed drifts by a quarter within minutes, so a cell runs every system `rounds` times in
 alternation, each round starting with the next system in turn (no system is always first, which measured
-fastest). A run's figure is its median window after `warmup` steps; a system's figure is the median of its rounds, shown
-with their range, and a ratio whose two ranges overlap is marked as within noise. Weak-scaling efficiency is
-throughput(n) / (n x throughput(1)); the headline is the ratio clusterfit / each baseline per cell.
+fastest). A run's figure is its median window after `warmup` steps; a system's figure is the median of its
+rounds, shown with their range, and a ratio whose two ranges overlap is marked as within noise. Weak-scaling
+efficiency is throughput(n) / (n x throughput(1)); the headline is the ratio clusterfit / each baseline per cell.
 
 The step time is split into compute, communication and data wait. Compute is measured in the same run by the
 hand-written loop with `--no-comm`: the same ranks on the same cores, each training its own replica without DDP.
@@ -475,29 +475,29 @@ def _measure_cell(
     """Every system on one model x worker count in alternating rounds, with the step split against the loop
     without communication (itself one of the alternating runs)."""
     orders = rotations((COMPUTE_ONLY, *config.systems), config.rounds)
-    steps: dict[str, list[list[float]]] = {name: [] for name in orders[0]}
+    windows: dict[str, list[list[float]]] = {name: [] for name in orders[0]}
     waits: dict[str, list[list[float]]] = {name: [] for name in orders[0]}
     for order in orders:
         for name in order:
-            run_steps, run_waits = _run_system(name, config, model, workers, precision, tmp)
-            if len(run_steps) != config.steps // config.window:
+            run_windows, run_waits = _run_system(name, config, model, workers, precision, tmp)
+            if len(run_windows) != config.steps // config.window:
                 raise SpecError(
-                    f"{name} ({model}, {workers}): {len(run_steps)} timed windows, expected "
+                    f"{name} ({model}, {workers}): {len(run_windows)} timed windows, expected "
                     f"{config.steps // config.window}"
                 )
-            steps[name].append(run_steps)
+            windows[name].append(run_windows)
             waits[name].append(run_waits)
-    compute_s = statistics.median(_median_seconds(run, config, workers) for run in steps[COMPUTE_ONLY])
+    compute_s = statistics.median(_median_seconds(run, config, workers) for run in windows[COMPUTE_ONLY])
     threads = threads_per_worker(workers)
     cells = []
     for system in config.systems:
         split = StepSplit.of(
-            statistics.median(_median_seconds(run, config, workers) for run in steps[system]),
+            statistics.median(_median_seconds(run, config, workers) for run in windows[system]),
             compute_s,
             statistics.median(median_after_warmup(run, config.warmup_windows) for run in waits[system]),
         )
-        rounds = [median_after_warmup(run, config.warmup_windows) for run in steps[system]]
-        cells.append(Cell(system, model, workers, threads, steps[system], rounds, split=split))
+        rounds = [median_after_warmup(run, config.warmup_windows) for run in windows[system]]
+        cells.append(Cell(system, model, workers, threads, windows[system], rounds, split=split))
     return cells, orders
 
 
