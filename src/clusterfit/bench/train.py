@@ -188,7 +188,13 @@ class TrainBenchReport:
     orders: dict[str, list[list[str]]] = field(default_factory=dict)  # "model/workers" -> each round's order
 
     def cell(self, system: str, model: str, workers: int) -> Cell:
-        return next(c for c in self.cells if (c.system, c.model, c.workers) == (system, model, workers))
+        found = self._find(system, model, workers)
+        if found is None:
+            raise KeyError(f"no {system} cell for {model} on {workers} worker(s)")
+        return found
+
+    def _find(self, system: str, model: str, workers: int) -> Cell | None:
+        return next((c for c in self.cells if (c.system, c.model, c.workers) == (system, model, workers)), None)
 
     def ratio(self, model: str, workers: int, baseline: str = HAND_WRITTEN) -> float:
         return self.cell(CLUSTERFIT, model, workers).images_per_s / self.cell(baseline, model, workers).images_per_s
@@ -200,13 +206,12 @@ class TrainBenchReport:
 
     def fill_scaling(self) -> None:
         for c in self.cells:
-            one = [o for o in self.cells if (o.system, o.model, o.workers) == (c.system, c.model, 1)]
-            c.scaling_efficiency = c.images_per_s / (c.workers * one[0].images_per_s) if one else None
-            reference = [o for o in self.cells if (o.system, o.model, o.workers) == (HAND_WRITTEN, c.model, 1)]
+            own, reference = self._find(c.system, c.model, 1), self._find(HAND_WRITTEN, c.model, 1)
+            c.scaling_efficiency = c.images_per_s / (c.workers * own.images_per_s) if own else None
             if reference:
-                c.efficiency_vs_reference = c.images_per_s / (c.workers * reference[0].images_per_s)
+                c.efficiency_vs_reference = c.images_per_s / (c.workers * reference.images_per_s)
                 if c.split is not None:
-                    c.efficiency_bound = self.config.batch / (c.split.compute_s * reference[0].images_per_s)
+                    c.efficiency_bound = self.config.batch / (c.split.compute_s * reference.images_per_s)
 
     def to_json(self) -> dict[str, object]:
         return {
