@@ -380,7 +380,10 @@ def test_the_uploader_says_once_that_the_store_is_down_and_catches_up_when_it_is
         wait_for(lambda: said, 30, "the uploader to say the store is down")
         azurite.start()
         # The thread says so at its next push; a finish() that came first would push without a word.
-        wait_for(lambda: said[-1].endswith("work again"), 30, "the uploader to reach the store again")
+        try:
+            wait_for(lambda: said[-1].endswith("work again"), 30, "the uploader to reach the store again")
+        except AssertionError as late:
+            raise AssertionError(f"{late}; it said: {said}") from None
         _checkpoint(outputs, 7)
         pushed = uploader.finish()
     assert pushed.checkpoints == ["step-00000007"]
