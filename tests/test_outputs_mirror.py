@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from azure.storage.blob import BlobServiceClient
-from azurite import Azurite, serving
+from azurite import ACCOUNT, KEY, Azurite, serving
 from conftest import wait_for
 
 from clusterfit.errors import OutputsInUse
@@ -391,6 +391,31 @@ def test_the_uploader_says_once_that_the_store_is_down_and_catches_up_when_it_is
     assert len(down) == 1 and "trying again every 0.05 s (the local copy is whole)" in down[0]
     assert said[-1] == f"outputs: uploads to {url} work again"
     assert "checkpoints/step-00000007/manifest.json" in _blobs(azurite, "job-d")
+
+
+def test_a_store_that_takes_connections_and_never_answers_is_one_line_within_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As a hung proxy or gateway does: the connection is taken and no answer comes. The SDK's own waits and
+    retries held this check for 11 minutes before it said anything."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}/{ACCOUNT}"
+        monkeypatch.setenv(
+            "AZURE_STORAGE_CONNECTION_STRING",
+            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};BlobEndpoint={endpoint};",
+        )
+        started = time.monotonic()
+        with pytest.raises(StorageError) as unanswered:
+            check_store("az://outputs/job", Credentials(), deadline_s=2)
+        waited = time.monotonic() - started
+    assert str(unanswered.value) == (
+        "outputs.dir = 'az://outputs/job': the storage service did not answer in 2 s; check the endpoint and the "
+        "network, or run the job again later"
+    )
+    assert unanswered.value.retryable
+    assert waited < 20, waited
 
 
 def test_a_store_without_the_container_or_refusing_the_key_is_one_line_before_anything_runs(

@@ -538,8 +538,36 @@ def _fail_fast(fs: Any) -> None:
             policy.total_retries = policy.connect_retries = policy.read_retries = policy.status_retries = 1
 
 
-def check_store(url: str, creds: Credentials) -> None:
-    """Before any worker starts: the store answers these credentials and its bucket or container exists."""
+CHECK_STORE_DEADLINE_S = 60.0
+
+
+def check_store(url: str, creds: Credentials, deadline_s: float = CHECK_STORE_DEADLINE_S) -> None:
+    """Before any worker starts: the store answers these credentials within `deadline_s` and its bucket or
+    container exists. The SDKs' own waits and retries add up to minutes on a store that takes connections and
+    never answers, so the check runs on a daemon thread that is left behind if it outlasts the deadline."""
+    outcome: list[BaseException | None] = []
+
+    def check() -> None:
+        try:
+            _check_store(url, creds)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            outcome.append(exc)
+
+    checking = threading.Thread(target=check, name="check-store", daemon=True)
+    checking.start()
+    checking.join(deadline_s)
+    if not outcome:
+        raise StorageError(
+            f"outputs.dir = {public(url)!r}: the storage service did not answer in {deadline_s:g} s; check the "
+            "endpoint and the network, or run the job again later",
+            retryable=True,
+        )
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+def _check_store(url: str, creds: Credentials) -> None:
     where = f"outputs.dir = {public(url)!r}"
     try:
         fs, root = open_filesystem(url, creds)
