@@ -3,6 +3,7 @@ started on 127.0.0.1 with a free port and a temp folder, stopped after."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -155,3 +156,13 @@ def serving(location: Path, container: str) -> Iterator[Azurite]:
         patch.setenv("AZURE_STORAGE_CONNECTION_STRING", server.connection_string())
         yield server
     server.stop()
+
+
+@contextlib.contextmanager
+def silent_store() -> Iterator[str]:
+    """An Azure connection string whose endpoint takes connections and never answers, as a hung proxy or gateway."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}/{ACCOUNT}"
+        yield f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};BlobEndpoint={endpoint};"

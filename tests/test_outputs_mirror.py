@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from azure.storage.blob import BlobServiceClient
-from azurite import ACCOUNT, KEY, Azurite, serving
+from azurite import Azurite, serving, silent_store
 from conftest import wait_for
 
 from clusterfit.errors import OutputsInUse
@@ -398,14 +398,8 @@ def test_a_store_that_takes_connections_and_never_answers_is_one_line_within_the
 ) -> None:
     """As a hung proxy or gateway does: the connection is taken and no answer comes. The SDK's own waits and
     retries held this check for 11 minutes before it said anything."""
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)
-        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}/{ACCOUNT}"
-        monkeypatch.setenv(
-            "AZURE_STORAGE_CONNECTION_STRING",
-            f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};BlobEndpoint={endpoint};",
-        )
+    with silent_store() as connection_string:
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string)
         started = time.monotonic()
         with pytest.raises(StorageError) as unanswered:
             check_store("az://outputs/job", Credentials(), deadline_s=2)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
-from azurite import ACCOUNT, KEY, Azurite
+from azurite import ACCOUNT, KEY, Azurite, silent_store
 from conftest import cli_command, one_image_per_class, tiny_job, write_job
 from safetensors.torch import save_file
 from services import skip_reason
@@ -36,6 +36,7 @@ from clusterfit.data.staging import (
 )
 from clusterfit.data.transforms import TrainCrop
 from clusterfit.models import build_model
+from clusterfit.spec.model import StorageSpec
 
 CONTAINER = "data"
 
@@ -263,6 +264,29 @@ def test_wrong_key_is_one_clear_line(azurite: Azurite, tiny_imagefolder: Path, t
         f"error: trainer.data.train = '{url}': access denied: the credentials were refused (authentication failed); "
         "check storage.sas_token or AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_KEY"
     ]
+
+
+def test_data_and_weights_at_a_store_that_never_answers_are_one_line_within_the_deadline(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher's other checks of a store (the data's classes, trainer.init.weights) have the same deadline as
+    that of outputs.dir (tests/test_outputs_mirror.py), here cut from 60 s to 1."""
+    monkeypatch.setattr(staging, "PREFLIGHT_DEADLINE_S", 1)
+    url = f"az://{CONTAINER}/tiny"
+    checks = {
+        "trainer.data.train": staging.remote_summary,
+        "trainer.init.weights": staging.check_remote_file,
+    }
+    with silent_store() as connection_string:
+        monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string)
+        for field_name, check in checks.items():
+            with pytest.raises(StagingError) as unanswered:
+                check(url, StorageSpec(), field_name)
+            assert str(unanswered.value) == (
+                f"{field_name} = '{url}': the storage service did not answer in 1 s; check the endpoint and the "
+                "network, or run the job again later"
+            )
+            assert unanswered.value.retryable
 
 
 def test_job_trains_on_data_staged_with_a_sas_token_it_never_writes_down(

@@ -33,8 +33,10 @@ from clusterfit.files import read_text_or_none, write_atomically
 from clusterfit.spec.model import JobSpec, StorageSpec, is_url
 from clusterfit.storage.checksums import sha256_of
 from clusterfit.storage.filesystems import (
+    PREFLIGHT_DEADLINE_S,
     Credentials,
     StorageError,
+    answered_within,
     cache_folder,
     credentials,
     job_credentials,
@@ -406,7 +408,16 @@ def stage_inputs(spec: JobSpec, run_token: str, log: Callable[[str], None] = pri
 
 
 def check_remote_file(url: str, storage: StorageSpec, field_name: str) -> None:
-    """One line before anything runs when `url` is not a file the store will give (missing, refused, down)."""
+    """One line before anything runs when `url` is not a file the store will give (missing, refused, down, silent)."""
+    answered_within(
+        PREFLIGHT_DEADLINE_S,
+        f"{field_name} = {url!r}",
+        lambda: _check_remote_file(url, storage, field_name),
+        StagingError,
+    )
+
+
+def _check_remote_file(url: str, storage: StorageSpec, field_name: str) -> None:
     creds = credentials(storage)
     fs, root = open_filesystem(url, creds)
     try:
@@ -430,6 +441,12 @@ def describe(report: StageReport) -> str:
 
 def remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[list[str], int | None]:
     """What the launcher can learn cheaply before staging: the classes (and the count, for packed data)."""
+    return answered_within(
+        PREFLIGHT_DEADLINE_S, f"{field_name} = {url!r}", lambda: _remote_summary(url, storage, field_name), StagingError
+    )
+
+
+def _remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[list[str], int | None]:
     creds = credentials(storage)
     fs, root = open_filesystem(url, creds)
     try:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping, MutableMapping
+import threading
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from clusterfit.errors import DataError
 from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV
@@ -157,6 +158,41 @@ def _proxy_settings(environ: Mapping[str, str]) -> list[str]:
 # check for 11 minutes without a word; a healthy store answers within these from loopback to another region.
 AZURE_CONNECT_TIMEOUT_S = 10
 AZURE_READ_TIMEOUT_S = 30
+
+
+# Pre-flight checks of a store wait this long before they say it does not answer (a healthy one answers in well under
+# a second); the SDKs' own waits and retries took 7-11 minutes against a store that took connections and never answered.
+PREFLIGHT_DEADLINE_S = 60.0
+
+Answer = TypeVar("Answer")
+
+
+def answered_within(
+    deadline_s: float, where: str, call: Callable[[], Answer], kind: type[StorageError] = StorageError
+) -> Answer:
+    """`call()`'s answer or exception, or a retryable `kind` naming `where` when it took longer than `deadline_s`.
+    The call runs on a daemon thread, left behind if late: an SDK call cannot be cut short from outside."""
+    outcome: list[tuple[bool, Any]] = []
+
+    def answer() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            outcome.append((False, exc))
+
+    asking = threading.Thread(target=answer, name="store-check", daemon=True)
+    asking.start()
+    asking.join(deadline_s)
+    if not outcome:
+        raise kind(
+            f"{where}: the storage service did not answer in {deadline_s:g} s; check the endpoint and the network, "
+            "or run the job again later",
+            retryable=True,
+        )
+    answered, value = outcome[0]
+    if not answered:
+        raise value
+    return value
 
 
 def _azure_client(client: Any, *, with_environment: bool) -> Any:

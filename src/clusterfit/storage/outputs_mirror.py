@@ -62,7 +62,15 @@ from clusterfit.outputs.layout import (
     WRITER_FILE,
 )
 from clusterfit.processes import is_running, process_start_time
-from clusterfit.storage.filesystems import Credentials, StorageError, open_filesystem, public, storage_error
+from clusterfit.storage.filesystems import (
+    PREFLIGHT_DEADLINE_S,
+    Credentials,
+    StorageError,
+    answered_within,
+    open_filesystem,
+    public,
+    storage_error,
+)
 
 # This folder's own lock, and the store's own record of its writer: never copied either way.
 _NOT_MIRRORED = {LOCK_FILE, WRITER_FILE}
@@ -538,33 +546,10 @@ def _fail_fast(fs: Any) -> None:
             policy.total_retries = policy.connect_retries = policy.read_retries = policy.status_retries = 1
 
 
-CHECK_STORE_DEADLINE_S = 60.0
-
-
-def check_store(url: str, creds: Credentials, deadline_s: float = CHECK_STORE_DEADLINE_S) -> None:
+def check_store(url: str, creds: Credentials, deadline_s: float = PREFLIGHT_DEADLINE_S) -> None:
     """Before any worker starts: the store answers these credentials within `deadline_s` and its bucket or
-    container exists. The SDKs' own waits and retries add up to minutes on a store that takes connections and
-    never answers, so the check runs on a daemon thread that is left behind if it outlasts the deadline."""
-    outcome: list[BaseException | None] = []
-
-    def check() -> None:
-        try:
-            _check_store(url, creds)
-            outcome.append(None)
-        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
-            outcome.append(exc)
-
-    checking = threading.Thread(target=check, name="check-store", daemon=True)
-    checking.start()
-    checking.join(deadline_s)
-    if not outcome:
-        raise StorageError(
-            f"outputs.dir = {public(url)!r}: the storage service did not answer in {deadline_s:g} s; check the "
-            "endpoint and the network, or run the job again later",
-            retryable=True,
-        )
-    if outcome[0] is not None:
-        raise outcome[0]
+    container exists."""
+    answered_within(deadline_s, f"outputs.dir = {public(url)!r}", lambda: _check_store(url, creds))
 
 
 def _check_store(url: str, creds: Credentials) -> None:
