@@ -185,7 +185,9 @@ def test_async_checkpoints_resume_to_the_same_weights_as_sync_ones(tmp_path: Pat
 
 def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path) -> None:
     """SIGKILL one worker mid-training: torchrun restarts the group (max_restarts=1), the job resumes from
-    its last checkpoint, finishes with the straight run's weights, and the dead attempt's log is kept."""
+    its last checkpoint, finishes with the straight run's weights, and the dead attempt's log is kept. The
+    ranks are forked from one process that imported the trainer (backends/agent.py), the agent's child, and
+    show the command torchrun would have run."""
     out = tmp_path / "restarted"
     spec = tiny_job(out, **RESUME_SETTINGS)
     spec["distribution"]["max_restarts"] = 1
@@ -198,13 +200,31 @@ def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path
         start_new_session=True,
     )
     wait_for_first_checkpoint(out, launcher)
-    rank1_pid = int(re.search(r"rank 1 of 2 .* pid (\d+)", (out / "logs" / "rank-1.log").read_text()).group(1))
+    rank0_pid, rank1_pid = (_rank_pid(out, rank) for rank in (0, 1))
+    for pid in (rank0_pid, rank1_pid):
+        assert f"-m clusterfit.worker --spec {out / 'job.yaml'}" in _cmdline(pid), _cmdline(pid)
+    server = _parent(rank0_pid)
+    assert _parent(rank1_pid) == server and "multiprocessing.forkserver" in _cmdline(server), _cmdline(server)
+    assert "-m clusterfit.backends.agent" in _cmdline(_parent(server)), _cmdline(_parent(server))
     os.kill(rank1_pid, signal.SIGKILL)
     output, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, output[-3000:]
     assert "resuming from" in (out / "logs" / "rank-0.log").read_text()
     assert "rank 1 of 2" in (out / "logs" / "rank-1.log.1").read_text(), "the failed attempt's log must be kept"
     assert max_abs_difference(exported_weights(out), exported_weights(straight_run)) < 1e-6
+
+
+def _rank_pid(out: Path, rank: int) -> int:
+    return int(re.search(rf"rank {rank} of 2 .* pid (\d+)", (out / "logs" / f"rank-{rank}.log").read_text()).group(1))
+
+
+def _cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def _parent(pid: int) -> int:
+    # The field after the command name, which is in parentheses and may hold spaces.
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _add_awkward_files(train: Path, val: Path) -> None:

@@ -232,7 +232,7 @@ def test_outputs_at_a_url_give_each_pod_a_folder_of_its_own_that_the_store_fills
         "python", "-m", "clusterfit.backends.node_copy", "--url", "az://runs/tiny", "--folder",
         "/clusterfit/outputs", "--every", "5", "--account-name", "myaccount", "--",
     ]  # fmt: skip
-    assert container["command"][12:15] == ["python", "-m", "torch.distributed.run"]
+    assert container["command"][12:15] == ["python", "-m", "clusterfit.backends.agent"]
     assert "--log-dir=/clusterfit/outputs/logs" in container["command"]
     volumes = {volume["name"]: volume for volume in pod_spec["volumes"]}
     assert volumes["outputs"] == {"name": "outputs", "emptyDir": {}}

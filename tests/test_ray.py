@@ -104,7 +104,7 @@ def test_dry_run_renders_the_placement_group_and_node_command(tmp_path: Path) ->
         "# one detached actor per bundle runs this command with its node's python, in a new process group;\n"
         "# node 0 hosts the c10d rendezvous on a free port it picks, other nodes pass --rdzv-conf=is_host=0\n"
         "NCCL_DEBUG=INFO OMP_NUM_THREADS=3 PYTHONUNBUFFERED=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-        "python -m torch.distributed.run --nnodes=2 --rdzv-backend=c10d '--rdzv-endpoint=<node 0 IP>:<free port>' "
+        "python -m clusterfit.backends.agent --nnodes=2 --rdzv-backend=c10d '--rdzv-endpoint=<node 0 IP>:<free port>' "
         "'--rdzv-id=tiny-<id>' --rdzv-conf=is_host=1 '--local-addr=<node 0 IP>' --nproc-per-node=2 "
         f"--max-restarts=0 --logs-specs=clusterfit --log-dir={out / 'logs'} "
         f"-m clusterfit.worker --spec {out / 'job.yaml'}\n"
@@ -473,7 +473,7 @@ def _node_processes(out: Path, *, host: bool) -> list[psutil.Process]:
     agents = [
         p
         for p in _job_processes(out)
-        if "torch.distributed.run" in " ".join(p.cmdline()) and ("is_host=1" in " ".join(p.cmdline())) == host
+        if "clusterfit.backends.agent" in " ".join(p.cmdline()) and ("is_host=1" in " ".join(p.cmdline())) == host
     ]
     assert len(agents) == 1, [p.cmdline() for p in agents]
     return [agents[0].parent(), agents[0], *agents[0].children(recursive=True)]
@@ -500,7 +500,7 @@ def _wait_until_training(out: Path, launcher: subprocess.Popen[bytes] | None) ->
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
     processes = _job_processes(out)
-    agents = [p for p in processes if "torch.distributed.run" in " ".join(p.cmdline())]
+    agents = [p for p in processes if "clusterfit.backends.agent" in " ".join(p.cmdline())]
     assert len(agents) == 2 and len(processes) >= 4, [p.cmdline() for p in processes]
     return processes
 

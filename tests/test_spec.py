@@ -225,7 +225,7 @@ def test_dry_run_prints_spec_and_command_and_starts_nothing(tmp_path: Path) -> N
     resolved, command = result.stdout.split("# local backend command")
     assert resolved.startswith(f"# {tmp_path / 'out' / 'job.yaml'}")
     assert yaml.safe_load(resolved)["trainer"]["epochs"] == 3
-    assert "-m torch.distributed.run --standalone --nnodes=1 --nproc-per-node=2" in command
+    assert "-m clusterfit.backends.agent --standalone --nnodes=1 --nproc-per-node=2" in command
     assert f"-m clusterfit.worker --spec {tmp_path / 'out' / 'job.yaml'}" in command
     assert not (tmp_path / "out").exists()
 

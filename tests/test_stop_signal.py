@@ -18,11 +18,12 @@ def _worker_pids(resolved_spec: Path) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                # NOTE: a rank forked by the agent names itself as one string (setproctitle), not as argv.
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
             except OSError:
                 continue
-            is_agent = b"torch.distributed.run" in argv
-            if str(resolved_spec).encode() in argv and b"clusterfit.worker" in argv and not is_agent:
+            is_agent = b"clusterfit.backends.agent" in cmdline
+            if f"-m clusterfit.worker --spec {resolved_spec}".encode() in cmdline and not is_agent:
                 pids.append(int(entry.name))
     return pids
 

@@ -1,4 +1,5 @@
-"""What every engine places on each node: torchrun's elastic agent, with the same worker and environment.
+"""What every engine places on each node: torchrun's elastic agent (backends/agent.py), with the same worker and
+environment.
 
 Engines differ only in how they start this command on each node; the workers always see the standard
 RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT environment that torchrun sets."""
@@ -9,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+from clusterfit.backends.agent import AGENT_MODULE, TRAINER_MODULE
 from clusterfit.backends.job_folder import copy_code
 from clusterfit.outputs import ATTEMPT_ENV, STORAGE_SAS_TOKEN_ENV, JobOutputs
 from clusterfit.outputs.resolved_spec import resolved_spec_text
@@ -78,7 +80,7 @@ def worker_env(threads: int) -> dict[str, str]:
 def worker_argv(spec: JobSpec, spec_path: str | None = None) -> list[str]:
     """The program torchrun starts in each worker process: the built-in trainer, or the command-job wrapper.
     The resolved spec is read from outputs.dir unless the engine puts it elsewhere (`spec_path`)."""
-    module = "clusterfit.worker" if spec.command is None else "clusterfit.worker.command"
+    module = TRAINER_MODULE if spec.command is None else "clusterfit.worker.command"
     return ["-m", module, "--spec", spec_path or str(JobOutputs.at(spec.outputs.dir).resolved_spec)]
 
 
@@ -125,7 +127,7 @@ def torchrun_command(
     return [
         python,
         "-m",
-        "torch.distributed.run",
+        AGENT_MODULE,
         *placement,
         f"--nproc-per-node={dist.process_count_per_instance}",
         f"--max-restarts={dist.max_restarts}",
