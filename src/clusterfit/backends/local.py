@@ -124,9 +124,10 @@ class LocalRun:
 
 
 def _stop_group(pgid: int, wait: Callable[[float], None]) -> None:
-    # NOTE: torchrun starts each worker in a session of its own, so the agent's group holds the agent (and
-    # the staging/data-loader helpers it shares a group with) but not the workers. SIGTERM to the agent makes
-    # it stop the workers; workers found beforehand are killed too if they outlive the grace period.
+    # NOTE: torchrun starts a command job's workers in sessions of their own, so the agent's group holds the
+    # agent (and the helpers it shares a group with: the trainer's fork server and the ranks forked from it)
+    # but not those workers. SIGTERM to the agent makes it stop the workers; workers found beforehand are
+    # killed too if they outlive the grace period.
     workers = descendants(pgid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGTERM)
