@@ -270,7 +270,8 @@ def test_data_and_weights_at_a_store_that_never_answers_are_one_line_within_the_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The launcher's other checks of a store (the data's classes, trainer.init.weights) have the same deadline as
-    that of outputs.dir (tests/test_outputs_mirror.py), here cut from 60 s to 1."""
+    that of outputs.dir (tests/test_outputs_mirror.py), here cut from 60 s to 1. A SAS token in the URL is not
+    said."""
     monkeypatch.setattr(staging, "PREFLIGHT_DEADLINE_S", 1)
     url = f"az://{CONTAINER}/tiny"
     checks = {
@@ -281,7 +282,7 @@ def test_data_and_weights_at_a_store_that_never_answers_are_one_line_within_the_
         monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", connection_string)
         for field_name, check in checks.items():
             with pytest.raises(StagingError) as unanswered:
-                check(url, StorageSpec(), field_name)
+                check(f"{url}?sv=2024-01-01&sig=not-for-the-console", StorageSpec(), field_name)
             assert str(unanswered.value) == (
                 f"{field_name} = '{url}': the storage service did not answer in 1 s; check the endpoint and the "
                 "network, or run the job again later"

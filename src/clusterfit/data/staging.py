@@ -409,23 +409,24 @@ def stage_inputs(spec: JobSpec, run_token: str, log: Callable[[str], None] = pri
 
 def check_remote_file(url: str, storage: StorageSpec, field_name: str) -> None:
     """One line before anything runs when `url` is not a file the store will give (missing, refused, down, silent)."""
-    answered_within(
-        PREFLIGHT_DEADLINE_S,
-        f"{field_name} = {url!r}",
-        lambda: _check_remote_file(url, storage, field_name),
-        StagingError,
-    )
+    where = _where(url, field_name)
+    answered_within(PREFLIGHT_DEADLINE_S, where, lambda: _check_remote_file(url, storage, where), StagingError)
 
 
-def _check_remote_file(url: str, storage: StorageSpec, field_name: str) -> None:
+def _where(url: str, field_name: str) -> str:
+    """The field and its URL as messages name them: without a query string, where a SAS token may ride along."""
+    return f"{field_name} = {public(url)!r}"
+
+
+def _check_remote_file(url: str, storage: StorageSpec, where: str) -> None:
     creds = credentials(storage)
     fs, root = open_filesystem(url, creds)
     try:
         info = fs.info(root)
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types
-        raise storage_error(f"{field_name} = {url!r}", exc, creds, kind=StagingError) from None
+        raise storage_error(where, exc, creds, kind=StagingError) from None
     if info.get("type") != "file":
-        raise StagingError(f"{field_name} = {url!r}: not a file; give the URL of a .safetensors file", retryable=False)
+        raise StagingError(f"{where}: not a file; give the URL of a .safetensors file", retryable=False)
 
 
 def describe(report: StageReport) -> str:
@@ -441,12 +442,11 @@ def describe(report: StageReport) -> str:
 
 def remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[list[str], int | None]:
     """What the launcher can learn cheaply before staging: the classes (and the count, for packed data)."""
-    return answered_within(
-        PREFLIGHT_DEADLINE_S, f"{field_name} = {url!r}", lambda: _remote_summary(url, storage, field_name), StagingError
-    )
+    where = _where(url, field_name)
+    return answered_within(PREFLIGHT_DEADLINE_S, where, lambda: _remote_summary(url, storage, where), StagingError)
 
 
-def _remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[list[str], int | None]:
+def _remote_summary(url: str, storage: StorageSpec, where: str) -> tuple[list[str], int | None]:
     creds = credentials(storage)
     fs, root = open_filesystem(url, creds)
     try:
@@ -458,7 +458,7 @@ def _remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[li
                 if sizes.get(shard["name"]) != shard["bytes"]:
                     found = "is missing" if shard["name"] not in sizes else f"has {sizes[shard['name']]} bytes"
                     raise StagingError(
-                        f"{field_name} = {url!r}: shard {shard['name']} {found}, the index says {shard['bytes']} "
+                        f"{where}: shard {shard['name']} {found}, the index says {shard['bytes']} "
                         "bytes; upload the packed dataset again",
                         retryable=False,
                     )
@@ -466,10 +466,10 @@ def _remote_summary(url: str, storage: StorageSpec, field_name: str) -> tuple[li
     except StagingError:
         raise
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types
-        raise storage_error(f"{field_name} = {url!r}", exc, creds, kind=StagingError) from None
+        raise storage_error(where, exc, creds, kind=StagingError) from None
     classes = sorted(e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory")
     if not classes:
         raise StagingError(
-            f"{field_name} = {url!r}: has no class folders; expected {url}/<class>/<image>.jpg", retryable=False
+            f"{where}: has no class folders; expected {public(url)}/<class>/<image>.jpg", retryable=False
         )
     return classes, None
