@@ -360,6 +360,21 @@ def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> 
             id="rendezvous-closed",
         ),
         pytest.param(
+            Evidence(
+                exit_code=1,
+                agent_tail=(
+                    "RuntimeError: The server socket has failed to listen on any local network address. port: 29400, "
+                    "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use",
+                    "torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the C10d "
+                    "store has failed. See inner exception for details.",
+                ),
+            ),
+            FailureCause.UNAVAILABLE,
+            "the rendezvous port 29400 was taken by another process before the job's agent could bind it; "
+            "a retry picks another port",
+            id="rendezvous-port-taken",
+        ),
+        pytest.param(
             Evidence(exit_code=1, rank_exits={1: 3}, log_tails={1: ("last words",)}),
             FailureCause.EXIT_CODE,
             "rank 1 exited with code 3",

@@ -117,8 +117,7 @@ def sbatch_script(spec: JobSpec, *, python: str, workdir: str, outputs_store: st
         f"export OMP_NUM_THREADS=$(( ${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} > 0 ? "
         f"${{SLURM_CPUS_ON_NODE:-{nproc}}} / {nproc} : 1 ))",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f'rdzv_port=$({shlex.quote(python)} -c \'import socket; s = socket.socket(); s.bind(("", 0)); '
-        "print(s.getsockname()[1])')",
+        f"rdzv_port=$({shlex.quote(python)} -m clusterfit.network)",
         "# Before the time limit Slurm signals this shell: the workers checkpoint and stop,",
         "# and the job is requeued to resume from that checkpoint.",
         "stop_requested=0",

@@ -47,6 +47,9 @@ _COLLECTIVE_TIMEOUT = re.compile(
     r"\[Gloo\].*[Tt]imed out|gloo.*Timed out|DistBackendError.*[Tt]imed? ?out)",
 )
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe")
+# The store hosting the rendezvous could not bind its port: another process took it after it was chosen.
+_PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
+_TAKEN_PORT = re.compile(r"port:? (\d+)")
 _RENDEZVOUS_LOST = re.compile(r"(RendezvousClosedError|RendezvousTimeoutError|RendezvousConnectionError|node .* lost)")
 
 
@@ -119,6 +122,15 @@ def classify(evidence: Evidence) -> Failure:
     if evidence.exceptions:
         first = next((e for e in evidence.exceptions if e.rank == root_rank), evidence.exceptions[0])
         return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
+    taken = next((line for line in evidence.agent_tail if _PORT_TAKEN.search(line)), None)
+    if taken is not None:
+        port = _TAKEN_PORT.search(taken)
+        return Failure(
+            FailureCause.UNAVAILABLE,
+            f"the rendezvous port{f' {port[1]}' if port else ''} was taken by another process before the job's "
+            "agent could bind it; a retry picks another port",
+            taken.strip(),
+        )
     if any(_RENDEZVOUS_LOST.search(line) for line in evidence.agent_tail):
         return Failure(FailureCause.NODE_LOST, "a node left the rendezvous (its agent or machine is gone)")
     failed = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code != 0}
