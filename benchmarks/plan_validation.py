@@ -10,7 +10,14 @@ Published points (efficiency = N-device images/s / (N x 1-device images/s)):
   Batch 256 per GPU assumed (the README's default configurations).
 - Horovod's README and docs/benchmarks: 128 servers x 4 Pascal GPUs on RoCE-capable 25 Gbit/s Ethernet,
   90 % for Inception V3 and ResNet-101, 68 % for VGG-16; 32 servers x 4 GPUs: 90 %, 90 %, 79 %
-  (TensorFlow's tf_cnn_benchmarks, batch 64 per GPU, fp32; P100 PCIe assumed).
+  (TensorFlow's tf_cnn_benchmarks, batch 64 per GPU, fp32; P100 PCIe assumed). Horovod then fused gradients
+  into 64 MB buffers (docs/tensor-fusion.rst; the default became 128 MB in v0.21.0), its all-reduce "buckets".
+
+One device's rate (images/s) is what the planner takes as `--images-per-s`, published where it exists:
+NVIDIA's 1-GPU results above, and TensorFlow's own tf_cnn_benchmarks results on one P100 of a DGX-1 (TensorFlow
+r1 guide, "Benchmarks", May 2017, synthetic data, batch 64): Inception V3 142, ResNet-152 91.8, VGG-16 154
+images/s. ResNet-101 has no published rate there: it runs at ResNet-152's FLOP rate (same blocks, same device).
+The column "from datasheet" is the planner without any measured rate: peak x utilization (plan/hardware.py).
 """
 
 from __future__ import annotations
@@ -40,20 +47,37 @@ class Published:
     per_node: int
     network: str
     efficiency: float
+    rate_of: tuple[str, float]  # (model, its published 1-device images/s) whose FLOP rate this model runs at
+    bucket_mb: float | None = None  # the all-reduce's bucket (fusion buffer); None: DDP's 25 MB
 
 
 NVIDIA = "NVIDIA DGX, PyTorch"
 HOROVOD = "Horovod, TensorFlow"
+FUSION_MB = 64  # Horovod's fusion buffer then
+
+
+def _nvidia(device: str, precision: str, network: str, one_gpu: float, eight_gpus: float) -> Published:
+    """A ResNet-50 result on one 8-GPU DGX node, with its own 1-GPU rate."""
+    efficiency = eight_gpus / (8 * one_gpu)
+    return Published(NVIDIA, "resnet50", 224, 256, device, precision, 1, 8, network, efficiency, ("resnet50", one_gpu))
+
+
 POINTS = [
-    Published(NVIDIA, "resnet50", 224, 256, "v100", "fp32", 1, 8, "infiniband-edr", 2855 / (8 * 367)),
-    Published(NVIDIA, "resnet50", 224, 256, "v100", "bf16", 1, 8, "infiniband-edr", 8322 / (8 * 1200)),
-    Published(NVIDIA, "resnet50", 224, 256, "a100", "fp32", 1, 8, "infiniband-hdr", 7248 / (8 * 938)),
-    Published(NVIDIA, "resnet50", 224, 256, "a100", "bf16", 1, 8, "infiniband-hdr", 16621 / (8 * 2470)),
+    _nvidia("v100", "fp32", "infiniband-edr", 367, 2855),
+    _nvidia("v100", "bf16", "infiniband-edr", 1200, 8322),
+    _nvidia("a100", "fp32", "infiniband-hdr", 938, 7248),
+    _nvidia("a100", "bf16", "infiniband-hdr", 2470, 16621),
     *[
-        Published(HOROVOD, model, size, 64, "p100", "fp32", nodes, 4, "roce-25g", efficiency)
+        Published(HOROVOD, model, size, 64, "p100", "fp32", nodes, 4, "roce-25g", efficiency, rate_of, FUSION_MB)
         for nodes, efficiencies in ((32, (0.90, 0.90, 0.79)), (128, (0.90, 0.90, 0.68)))
-        for (model, size), efficiency in zip(
-            (("inception_v3", 299), ("resnet101", 224), ("vgg16", 224)), efficiencies, strict=True
+        for (model, size, rate_of), efficiency in zip(
+            (
+                ("inception_v3", 299, ("inception_v3", 142)),
+                ("resnet101", 224, ("resnet152", 91.8)),
+                ("vgg16", 224, ("vgg16", 154)),
+            ),
+            efficiencies,
+            strict=True,
         )
     ],
 ]
@@ -64,33 +88,44 @@ def _profile(model: str, image_size: int) -> ModelProfile:
     return profile_model(model, image_size)
 
 
-def predicted(point: Published) -> StepSplit:
+def predicted(point: Published, *, from_datasheet: bool = False) -> StepSplit:
     profile = _profile(point.model, point.image_size)
     hardware = gpu_hardware(point.device, point.precision, point.nodes, point.per_node, point.network, 1)
-    work = workload(profile, point.batch, "ddp", "none", device_rate(hardware, profile, None))
+    rated_model, rated_images_per_s = point.rate_of
+    flop_per_s = rated_images_per_s * _profile(rated_model, point.image_size).train_flop_per_image
+    images_per_s = None if from_datasheet else flop_per_s / profile.train_flop_per_image
+    rate = device_rate(hardware, profile, images_per_s)
+    work = workload(profile, point.batch, "ddp", "none", rate, point.bucket_mb)
     link = slowest_link(point.nodes, DEVICES[point.device].intra_node, NETWORKS[point.network])
     return step_split(work, point.nodes * point.per_node, link)
 
 
 def main() -> None:
-    print("| published by | model | devices | links | published | predicted | error (points) | without overlap |")
-    print("|---|---|---|---|---|---|---|---|")
-    errors, inside = [], 0
+    print(
+        "| published by | model | devices | links | buckets | published | predicted | error (points) "
+        "| without overlap | from datasheet |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    errors, datasheet_errors, inside = [], [], 0
     for point in POINTS:
-        split = predicted(point)
-        guess = split.efficiency
-        errors.append(abs(guess - point.efficiency) * 100)
-        inside += split.efficiency_without_overlap <= point.efficiency <= guess
+        split, datasheet = predicted(point), predicted(point, from_datasheet=True)
+        errors.append(abs(split.efficiency - point.efficiency) * 100)
+        datasheet_errors.append(abs(datasheet.efficiency - point.efficiency) * 100)
+        inside += split.efficiency_without_overlap <= point.efficiency <= split.efficiency
         devices = f"{point.nodes} x {point.per_node} {point.device} ({point.precision})"
         link = DEVICES[point.device].intra_node if point.nodes == 1 else NETWORKS[point.network]
+        buckets = f"{point.bucket_mb:.0f} MB" if point.bucket_mb else "25 MB"
         print(
-            f"| {point.source} | {point.model} | {devices} | {link.name} | {point.efficiency:.0%} | {guess:.0%} | "
-            f"{(guess - point.efficiency) * 100:+.0f} | {split.efficiency_without_overlap:.0%} |"
+            f"| {point.source} | {point.model} | {devices} | {link.name} | {buckets} | {point.efficiency:.0%} "
+            f"| {split.efficiency:.0%} | {(split.efficiency - point.efficiency) * 100:+.0f} "
+            f"| {split.efficiency_without_overlap:.0%} "
+            f"| {datasheet.efficiency:.0%} ({(datasheet.efficiency - point.efficiency) * 100:+.0f}) |"
         )
     within = sum(error <= 10 for error in errors)
     print(
         f"\nwithin ±10 points: {within} of {len(errors)}; largest error {max(errors):.0f} points; "
-        f"published value between the two predictions: {inside} of {len(errors)}"
+        f"published value between the two predictions: {inside} of {len(errors)}; from the datasheet alone: "
+        f"{sum(error <= 10 for error in datasheet_errors)} of {len(errors)} within ±10 points"
     )
 
 

@@ -91,4 +91,7 @@ def test_the_validation_script_compares_every_published_point() -> None:
     )
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| NVIDIA") or line.startswith("| Horovod")]
-    assert len(rows) == 10 and "within ±10 points: " in result.stdout
+    assert len(rows) == 10
+    # Deterministic: the cost model's inputs are published figures and counted FLOP, nothing measured here.
+    assert "within ±10 points: 8 of 10" in result.stdout, result.stdout
+    assert all(abs(int(row.split("|")[8])) <= 3 for row in rows if row.startswith("| Horovod")), rows
