@@ -530,10 +530,11 @@ def export(
     """Add an ONNX model (dynamic batch) to MODEL_DIR, kept only if ONNX Runtime agrees with PyTorch on the same
     inputs; the check goes into the model card (needs the onnx extra)."""
     from clusterfit.outputs.layout import model_card_file
-    from clusterfit.scoring.onnx_export import export_onnx
 
     if not model_card_file(model_dir).is_file():
         raise _fail(f"{model_dir}: no model_card.json; pass the model/ folder of a finished job")
+    from clusterfit.scoring.onnx_export import export_onnx  # torch, torchvision and ONNX: after the cheap check
+
     try:
         check = export_onnx(model_dir, images, tolerance)
     except ClusterfitError as exc:
