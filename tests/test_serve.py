@@ -180,7 +180,7 @@ def test_unsafe_settings_are_refused(model_dir: Path) -> None:
 def test_ray_serve_replicas_are_a_count_or_autoscaling_bounds() -> None:
     from ray import serve
 
-    from clusterfit.scoring.ray_serve import ReplicaCount
+    from clusterfit.spec.serving import ReplicaCount
 
     fixed = serve.deployment(lambda: None).options(**ReplicaCount.parse("3").deployment_options(max_batch=32))
     assert fixed.num_replicas == 3 and fixed.max_ongoing_requests == 64  # Ray Serve's default, 5, caps a batch at 5

@@ -597,6 +597,13 @@ def serve_model(
         raise _fail(f"--backend {backend!r}: choose local or ray")
     if backend == "ray" and tls_cert is not None:
         raise _fail("--backend ray serves through Ray Serve's proxy, which has no TLS; use a TLS proxy in front")
+    if backend == "ray":
+        from clusterfit.spec.serving import ReplicaCount
+
+        try:
+            replica_count = ReplicaCount.parse(replicas)
+        except SpecError as exc:
+            raise _fail(str(exc)) from None
     if no_auth == (key_file is not None):
         raise _fail("give --key-file (clients send one of its keys), or --no-auth on a loopback address")
     refusal = exposure_refusal(host, auth=not no_auth, tls=tls_cert is not None, tls_elsewhere=tls_terminated_elsewhere)
@@ -619,12 +626,8 @@ def serve_model(
         keys=keys, max_batch=max_batch, max_wait_ms=max_wait_ms, top_k=top_k, max_body_bytes=max_body_bytes
     )
     if backend == "ray":
-        from clusterfit.scoring.ray_serve import ReplicaCount, deploy
+        from clusterfit.scoring.ray_serve import deploy
 
-        try:
-            replica_count = ReplicaCount.parse(replicas)
-        except SpecError as exc:
-            raise _fail(str(exc)) from None
         url = deploy(
             model_dir,
             settings,
