@@ -2,16 +2,21 @@
 with the process's start time, and a process is only signalled while that pair still matches.
 
 Linux /proc is read directly (no psutil in the base install): the launcher, the job service and every engine's
-agent host use these helpers."""
+agent host use these helpers. Processes that imported torch end here too, without the interpreter's teardown."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import os
 import signal
 import sys
+import threading
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -73,3 +78,38 @@ def stop_with_parent() -> None:
     if sys.platform == "linux":
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def finish_cleanly() -> None:
+    """What a normal exit does that matters, in its order, as multiprocessing's own children do: non-daemon
+    threads are joined, exit handlers run (DataLoader workers stopped, logging flushed), then the streams are
+    flushed. The interpreter's teardown of torch's modules is left out: it took a second per rank on 2 CPU cores
+    (0.8 s alone, 1.3 s with its peer) while the job's end waited for it."""
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """Ends a program that imported torch and finished: `finish_cleanly`, then the exit code, at once."""
+    finish_cleanly()
+    os._exit(code)
+
+
+def exit_code_of(program: Callable[[], object]) -> int:
+    """Runs a program's main as the interpreter runs a script: the code of its SystemExit, or 1 with the
+    traceback printed for any other exception."""
+    try:
+        program()
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0

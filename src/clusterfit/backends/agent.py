@@ -2,43 +2,56 @@
 
 What differs is how the built-in trainer's ranks (`-m clusterfit.worker`) start. torchrun starts each as a
 new interpreter that imports torch, torchvision and the trainer again: 3 s of CPU per rank on 2 cores, more
-than a small job's training. Here a multiprocessing fork server imports them once and forks every rank from
-it, restarted ranks included: torchrun's own `--run-path` with `--start-method forkserver`. A fork server, not
-a fork of the agent: the agent runs threads (its rendezvous store, log tailing) whose locks a forked child
-could inherit held; the server has one thread and never touches CUDA. Command jobs
+than a small job's training. Here the agent imports them once, then forks multiprocessing's fork server from
+itself before any thread of its own starts, and every rank, restarted ranks included, is forked from that
+server: torchrun's own `--run-path` with `--start-method forkserver`. Ranks are not forked from the agent
+itself: once torchrun runs, the agent has threads (its rendezvous store, log tailing) whose locks a forked
+child could inherit held; the server never starts one and never touches CUDA. Command jobs
 (`-m clusterfit.worker.command`) start as torchrun starts them: they replace themselves with the user's
 program, which imports what it needs."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import importlib.util
 import itertools
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
+import shlex
 import signal
 import sys
+import traceback
+
+import setproctitle
+
+from clusterfit.processes import exit_code_of, exit_without_teardown
 
 AGENT_MODULE = "clusterfit.backends.agent"
 TRAINER_MODULE = "clusterfit.worker"
 _TRAINER_MAIN = f"{TRAINER_MODULE}.__main__"
+_FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     forks_the_trainer = runs_the_trainer(argv)
     if forks_the_trainer:
-        multiprocessing.set_forkserver_preload([_TRAINER_MAIN])
-        # NOTE: started before the agent imports torch, so that the server's imports overlap the agent's own
-        # and its rendezvous rather than follow them.
-        multiprocessing.forkserver.ensure_running()
+        importlib.import_module(_TRAINER_MAIN)  # torch, torchvision and the trainer, for every rank
     # NOTE: imported here: the launcher renders this command with the module's names and never imports torch.
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    # The imports' objects (355,000 with the trainer's) live as long as the agent and every forked rank: frozen,
+    # the garbage collector no longer walks them, nor dirties the pages the forks share.
+    gc.freeze()
     args = torchrun.parse_args(argv)
     if forks_the_trainer:
+        multiprocessing.set_forkserver_preload([_TRAINER_MAIN])  # a server not forked from here imports them
+        _fork_the_fork_server()
         trainer = importlib.util.find_spec(_TRAINER_MAIN)
         assert trainer is not None and trainer.origin is not None
         args.module, args.run_path = False, True
@@ -56,11 +69,53 @@ def runs_the_trainer(argv: list[str]) -> bool:
     return any(flag == "-m" and module == TRAINER_MODULE for flag, module in itertools.pairwise(argv))
 
 
+def _fork_the_fork_server() -> None:
+    """Starts multiprocessing's fork server as a fork of this process, which has imported the trainer, rather
+    than as a new interpreter that imports it again. multiprocessing starts its server with
+    `util.spawnv_passfds` and a `-c` command; that one call is replaced, for the server alone, by a fork that
+    closes the other descriptors, as the spawn does, and runs the same command. A Python that starts its server
+    otherwise gets a new interpreter, which imports the trainer itself (the preload)."""
+    spawn = multiprocessing.util.spawnv_passfds
+
+    def fork_instead(path: str, args: list[str], passfds: list[int]) -> int:
+        if not os.fsdecode(args[-1]).startswith(_FORK_SERVER_COMMAND):
+            return spawn(path, args, passfds)
+        pid = os.fork()
+        if pid:
+            return pid
+        ended = 1
+        try:
+            _close_all_but(passfds)
+            command = [os.fsdecode(arg) for arg in args]
+            setproctitle.setproctitle(shlex.join(command))  # as `ps` would show it spawned
+            exec(command[-1], {})  # multiprocessing's own command, as the new interpreter would run it
+            ended = 0
+        except SystemExit:  # how the server ends once the agent is gone
+            ended = 0
+        except BaseException:
+            traceback.print_exc()  # to the agent's log, where the spawned server's would go
+        finally:
+            os._exit(ended)  # never back into the agent's code; its exit handlers and buffers are the agent's
+
+    multiprocessing.util.spawnv_passfds = fork_instead
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        multiprocessing.util.spawnv_passfds = spawn
+
+
+def _close_all_but(kept: list[int]) -> None:
+    start = 3  # stdin, stdout and stderr stay, as the spawn keeps them
+    for fd in sorted(kept):
+        os.closerange(start, fd)
+        start = fd + 1
+    os.closerange(start, os.sysconf("SC_OPEN_MAX"))
+
+
 def _stop_fork_server() -> None:
-    """Ends the fork server once torchrun has ended every rank. Left alone, it notices the agent's exit and
-    tears down the modules it imported: 1 to 2 s of CPU after the job has ended, seen by a test as a process of
-    the job outliving it. multiprocessing has no public call for this; without its private one (another
-    Python), the server still ends by itself."""
+    """Ends the fork server once torchrun has ended every rank. Left alone, it would notice the agent's exit
+    and end by itself a moment later, seen by a test as a process of the job outliving it. multiprocessing has
+    no public call for this; without its private one (another Python), the server still ends by itself."""
     server = multiprocessing.forkserver._forkserver
     pid = getattr(server, "_forkserver_pid", None)
     if pid is not None:
@@ -70,4 +125,5 @@ def _stop_fork_server() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Ends as a program ends, minus the interpreter's teardown of torch's modules (0.4 s of CPU or more).
+    exit_without_teardown(exit_code_of(main))
