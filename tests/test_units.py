@@ -453,3 +453,24 @@ def test_metrics_follower_reads_a_file_replaced_whole_past_what_it_has_read(tmp_
     assert [r["time"] for r in tail.read_new()] == [6.0, "soon"]  # what is not a record is skipped, not fatal
     write_atomically(path, path.read_text() + line("train", 7.0, step=20))
     assert [r["time"] for r in tail.read_new()] == [7.0]
+
+
+def test_a_program_ends_with_the_code_the_interpreter_would_give_it(capsys) -> None:
+    """The agent ends through exit_code_of and exit_without_teardown: the codes and messages a script gets."""
+    from clusterfit.processes import exit_code_of
+
+    def raising(error: BaseException):  # noqa: ANN202
+        def program() -> None:
+            raise error
+
+        return program
+
+    assert exit_code_of(lambda: None) == 0
+    assert exit_code_of(raising(SystemExit())) == 0
+    assert exit_code_of(raising(SystemExit(3))) == 3
+    assert exit_code_of(raising(SystemExit("usage: agent ..."))) == 1
+    assert capsys.readouterr().err == "usage: agent ...\n"
+    assert exit_code_of(raising(RuntimeError("rank 1 failed"))) == 1
+    printed = capsys.readouterr().err
+    assert printed.startswith("Traceback (most recent call last):")
+    assert printed.endswith("RuntimeError: rank 1 failed\n")
