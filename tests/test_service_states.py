@@ -375,6 +375,20 @@ def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> 
             id="rendezvous-port-taken",
         ),
         pytest.param(
+            Evidence(
+                exit_code=1,
+                exceptions=(_exception(0, 10, "RuntimeError: [pair.cc:561] Connection closed by peer [::1]:1962"),),
+                rank_exits={0: 1},
+                root_rank=0,
+                oom_kills=1,
+                rank_pids={0: 50, 1: 123},
+                oom_killed_pids=frozenset({123}),
+            ),
+            FailureCause.OOM,
+            "rank 1 killed by the kernel's OOM killer",
+            id="oom-killed-rank-missing-from-the-agent-s-summary",
+        ),
+        pytest.param(
             Evidence(exit_code=1, rank_exits={1: 3}, log_tails={1: ("last words",)}),
             FailureCause.EXIT_CODE,
             "rank 1 exited with code 3",

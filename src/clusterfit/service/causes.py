@@ -110,11 +110,14 @@ def classify(evidence: Evidence) -> Failure:
     root_code = evidence.rank_exits.get(root_rank) if root_rank is not None else None
     if root_code is not None and root_code < 0:  # the others' errors ("connection reset") only follow from it
         return _killed(root_rank, root_code, evidence)  # type: ignore[arg-type]
-    signalled = {rank: code for rank, code in sorted(evidence.rank_exits.items()) if code < 0 and rank not in stopped}
+    signalled = {rank: code for rank, code in evidence.rank_exits.items() if code < 0 and rank not in stopped}
+    oom_killed = [rank for rank, pid in sorted(evidence.rank_pids.items()) if pid in (evidence.oom_killed_pids or ())]
+    # NOTE: torchrun's summary names the first rank exit the agent noticed, and a peer's "connection closed"
+    # can come before the OOM-killed rank's exit (the kernel first frees its memory); the kernel's log names it.
+    signalled = dict(sorted(({rank: -signal.SIGKILL for rank in oom_killed} | signalled).items()))
     if signalled and all(_PEER_LOST.search(e.message) for e in evidence.exceptions):
         # Only a lost peer was raised: the killed rank is the cause, whichever agent reported first.
         return _killed(*next(iter(signalled.items())), evidence)
-    oom_killed = [rank for rank, pid in sorted(evidence.rank_pids.items()) if pid in (evidence.oom_killed_pids or ())]
     if not evidence.rank_exits and oom_killed:
         # The agent ended without its summary of the ranks' exits (torchrun itself failed), but the kernel's log
         # names a rank of this job that it OOM-killed: the other ranks' errors followed from that.
