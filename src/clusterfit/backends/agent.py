@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
-import importlib.util
 import itertools
 import multiprocessing
 import multiprocessing.forkserver
@@ -38,9 +37,8 @@ _FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    forks_the_trainer = runs_the_trainer(argv)
-    if forks_the_trainer:
-        importlib.import_module(_TRAINER_MAIN)  # torch, torchvision and the trainer, for every rank
+    # torch, torchvision and the trainer, imported once for every rank
+    trainer = importlib.import_module(_TRAINER_MAIN) if runs_the_trainer(argv) else None
     # NOTE: imported here: the launcher renders this command with the module's names and never imports torch.
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -49,13 +47,11 @@ def main(argv: list[str] | None = None) -> None:
     # the garbage collector no longer walks them, nor dirties the pages the forks share.
     gc.freeze()
     args = torchrun.parse_args(argv)
-    if forks_the_trainer:
+    if trainer is not None:
         multiprocessing.set_forkserver_preload([_TRAINER_MAIN])  # a server not forked from here imports them
         _fork_the_fork_server()
-        trainer = importlib.util.find_spec(_TRAINER_MAIN)
-        assert trainer is not None and trainer.origin is not None
         args.module, args.run_path = False, True
-        args.training_script, args.start_method = trainer.origin, "forkserver"
+        args.training_script, args.start_method = trainer.__file__, "forkserver"
     try:
         # As torchrun's own main: a failed rank's error file becomes the agent's summary of the job's failure.
         record(torchrun.run)(args)
