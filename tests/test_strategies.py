@@ -86,8 +86,7 @@ def test_localsgd_averaging_every_step_matches_one_process(tmp_path: Path, one_p
     assert max_abs_difference(exported_weights(out), exported_weights(one_process)) < TOLERANCE
 
 
-@pytest.mark.parametrize("check", ["localsgd", "compression"])
-def test_inside_the_ranks(check: str) -> None:
+def test_inside_the_ranks() -> None:
     command = [
         sys.executable,
         "-m",
@@ -95,7 +94,8 @@ def test_inside_the_ranks(check: str) -> None:
         "--standalone",
         "--nproc-per-node=2",
         str(REPO / "tests" / "scripts" / "strategy_probe.py"),
-        check,
+        "localsgd",
+        "compression",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)

@@ -1,6 +1,7 @@
 """Run under torchrun (2 ranks, gloo). Drives clusterfit's `parallelize` step directly to look inside the
 ranks, which the CLI cannot: `localsgd` checks when parameters agree across ranks, `compression` checks
-that compressed gradients train like exact ones. Exits non-zero with a message when a check fails."""
+that compressed gradients train like exact ones. Runs each check named on the command line in one process
+group (one torchrun, not one per check); exits non-zero with the first failing check's message."""
 
 from __future__ import annotations
 
@@ -81,5 +82,7 @@ def check_compression() -> None:
 
 if __name__ == "__main__":
     init_distributed(read_dist_env(), CPU)
-    {"localsgd": check_localsgd, "compression": check_compression}[sys.argv[1]]()
+    checks = {"localsgd": check_localsgd, "compression": check_compression}
+    for name in sys.argv[1:]:
+        checks[name]()
     dist.destroy_process_group()
