@@ -127,6 +127,8 @@ def test_a_job_sees_none_of_the_servers_variables(served: Served, reachable: Pat
     assert seen["FROM_SPEC"] == "yes" and seen["RANK"] == "0" and seen["WORLD_SIZE"] == "1"
     assert seen["HOME"] == str(out)
     assert seen["OMP_WAIT_POLICY"] == os.environ["OMP_WAIT_POLICY"] == "PASSIVE", "the operator's tuning is kept"
+    # its slot's share of the cores (capacity 4), not the cores of a machine of its own (cores / 1 rank)
+    assert seen["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 4))
     for name in ("CLUSTERFIT_HOME", "CLUSTERFIT_DATABASE_URL", *_SERVER_ONLY):
         assert name not in seen, f"{name} reached the job"
     assert str(served.home) not in _rank_log(out)

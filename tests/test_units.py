@@ -21,6 +21,7 @@ from clusterfit.models import build_model
 from clusterfit.monitoring.tracebacks import HeldTracebacks
 from clusterfit.outputs import JobOutputs, Phase, membership_changes, read_heartbeats
 from clusterfit.outputs.logs import rotate
+from clusterfit.service.home import threads_per_slot
 from clusterfit.service.render import status_lines
 from clusterfit.spec.model import OptimizerSpec
 from clusterfit.worker.heartbeat import Heartbeat
@@ -118,6 +119,10 @@ def test_threads_never_oversubscribe() -> None:
     assert threads_per_worker(2, cores=2) == 1
     assert threads_per_worker(4, cores=2) == 1
     assert threads_per_worker(2, cores=16) == 8
+    # a rank of the job service holds one slot: its share of the cores, however few ranks its job has
+    assert threads_per_slot(cores=2, capacity=2) == 1
+    assert threads_per_slot(cores=64, capacity=8) == 8  # 8 GPUs: 8 slots
+    assert threads_per_slot(cores=2, capacity=4) == 1
 
 
 def test_precision_auto_follows_the_hardware() -> None:

@@ -48,6 +48,7 @@ from clusterfit.backends.mpi import (
 from clusterfit.backends.node_copy import NodeCopy
 from clusterfit.backends.polled import wait_for_exit
 from clusterfit.backends.torchrun import (
+    THREADS_ENV,
     as_launched,
     resolved_spec_file,
     ship_code,
@@ -66,7 +67,6 @@ from clusterfit.storage.outputs_mirror import MirrorRole, OutputsMirror
 
 NAMESPACE = "clusterfit"
 PLACEMENT_STRATEGY = "STRICT_SPREAD"  # one bundle per Ray node, never two agents on one node
-THREADS_ENV = "OMP_NUM_THREADS"
 _PLACEMENT_TIMEOUT_S = 120.0
 _STOP_GRACE_S = 20.0
 _NODE0_RDZV = "<node 0 IP>:<free port>"

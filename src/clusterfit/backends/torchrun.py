@@ -23,8 +23,12 @@ ELASTIC_KEEP_ALIVE_S = 2
 ELASTIC_KEEP_ALIVE_ATTEMPTS = 4
 
 
+THREADS_ENV = "OMP_NUM_THREADS"  # torch's intra-op threads per rank
+
+
 def threads_per_worker(processes: int, cores: int | None = None) -> int:
-    """CPU threads per rank so that ranks never oversubscribe the cores."""
+    """CPU threads per rank of a job that has this machine to itself, so that its ranks never oversubscribe the
+    cores. Jobs of the job service share the machine: they get their slots' share (service/home.py)."""
     cores = cores or len(os.sched_getaffinity(0))
     return max(1, cores // processes)
 
@@ -68,7 +72,7 @@ def storage_secret_env(spec: JobSpec) -> dict[str, str]:
 def worker_env(threads: int) -> dict[str, str]:
     """Variables every engine sets for the agent and its workers."""
     return {
-        "OMP_NUM_THREADS": str(threads),
+        THREADS_ENV: str(threads),
         "PYTHONUNBUFFERED": "1",
         # NOTE: with the agent's TCPStore shared across restarts, restarted workers can read the previous
         # attempt's gloo/NCCL addresses and fail with "Connection refused". A store per rendezvous round

@@ -19,6 +19,7 @@ from typing import Any
 
 from clusterfit.backends import RunHandle, get_backend
 from clusterfit.backends.job_folder import JobAccount
+from clusterfit.backends.torchrun import THREADS_ENV
 from clusterfit.errors import ClusterfitError
 from clusterfit.files import open_beneath
 from clusterfit.launch import preflight, preflight_apart
@@ -49,6 +50,7 @@ from clusterfit.service.causes import (
     gather_evidence,
     oom_kill_count,
 )
+from clusterfit.service.home import threads_per_slot
 from clusterfit.service.outputs_claim import OutputsClaim, claim_outputs
 from clusterfit.service.records import forget_secrets, outputs_url, spec_of
 from clusterfit.service.states import Decision, FailureCause, JobState, decide_after_failure
@@ -203,6 +205,8 @@ class Supervisor:
         """`outputs_store`: the nodes work in folders of their own and share this URL (Ray); `ended` is called
         once the job's processes are gone."""
         env = {**spec.environment_variables, ATTEMPT_ENV: str(attempt)}
+        if self.confined and spec.resources.backend == "local":  # it shares this machine with the other jobs
+            env.setdefault(THREADS_ENV, str(threads_per_slot()))
         spec = spec.model_copy(update={"environment_variables": env})
         outputs = JobOutputs.at(spec.outputs.dir)
         clear_heartbeats(outputs, spec.world_size)
