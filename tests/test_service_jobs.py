@@ -352,7 +352,7 @@ def test_data_gone_before_a_queued_job_starts_is_a_bad_spec(
     tmp_path: Path, tiny_imagefolder: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("CLUSTERFIT_CAPACITY", "2")
-    blocker, _ = _submit(tmp_path, "blocker", trainer={"steps_per_epoch": 5000})
+    blocker = _submit_command(tmp_path, "blocker", "sleep 600")  # holds both slots, starts no torch
     data = {"train": str(tiny_imagefolder / "train"), "image_size": 32, "num_classes": None}
     waiting, _ = _submit(tmp_path, "waiting", trainer={"data": data})
     assert _state(waiting) == "QUEUED"
