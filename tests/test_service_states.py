@@ -389,6 +389,20 @@ def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> 
             id="oom-killed-rank-missing-from-the-agent-s-summary",
         ),
         pytest.param(
+            Evidence(
+                exit_code=1,
+                exceptions=(
+                    _exception(0, 10, "RuntimeError: [pair.cc:561] Connection closed by peer [127.0.0.1]:35204"),
+                    _exception(1, 10, "InjectedFault: injected failure on rank 1 after step 2"),
+                ),
+                rank_exits={0: 1},
+                root_rank=0,
+            ),
+            FailureCause.EXCEPTION,
+            "rank 1: InjectedFault: injected failure on rank 1 after step 2",
+            id="the-raising-rank-not-its-peer-that-exited-first",
+        ),
+        pytest.param(
             Evidence(exit_code=1, rank_exits={1: 3}, log_tails={1: ("last words",)}),
             FailureCause.EXIT_CODE,
             "rank 1 exited with code 3",

@@ -123,7 +123,10 @@ def classify(evidence: Evidence) -> Failure:
         # names a rank of this job that it OOM-killed: the other ranks' errors followed from that.
         return _killed(oom_killed[0], -signal.SIGKILL, evidence)
     if evidence.exceptions:
-        first = next((e for e in evidence.exceptions if e.rank == root_rank), evidence.exceptions[0])
+        # A peer's "connection closed" only follows from another rank's failure, yet its rank can exit first
+        # and be torchrun's root cause: the rank whose own exception it was is the cause.
+        own = tuple(e for e in evidence.exceptions if not _PEER_LOST.search(e.message)) or evidence.exceptions
+        first = next((e for e in own if e.rank == root_rank), own[0])
         return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
     taken = next((line for line in evidence.agent_tail if _PORT_TAKEN.search(line)), None)
     if taken is not None:
