@@ -120,9 +120,10 @@ def test_threads_never_oversubscribe() -> None:
     assert threads_per_worker(4, cores=2) == 1
     assert threads_per_worker(2, cores=16) == 8
     # a rank of the job service holds one slot: its share of the cores, however few ranks its job has
-    assert threads_per_slot(cores=2, capacity=2) == 1
-    assert threads_per_slot(cores=64, capacity=8) == 8  # 8 GPUs: 8 slots
-    assert threads_per_slot(cores=2, capacity=4) == 1
+    assert threads_per_slot(1, cores=2, capacity=2) == 1
+    assert threads_per_slot(1, cores=64, capacity=8) == 8  # 8 GPUs: 8 slots
+    assert threads_per_slot(1, cores=2, capacity=4) == 1
+    assert threads_per_slot(4, cores=64, capacity=2) == 16  # more ranks than slots: it runs alone
 
 
 def test_precision_auto_follows_the_hardware() -> None:

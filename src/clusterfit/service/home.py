@@ -27,12 +27,13 @@ def database_url() -> str:
     return os.environ.get(DATABASE_ENV) or f"sqlite:///{service_home() / 'jobs.db'}"
 
 
-def threads_per_slot(cores: int | None = None, capacity: int | None = None) -> int:
-    """CPU threads for a rank of a local job of the service: its slot's share of the cores. Jobs run side by side
-    up to the capacity, so ranks that each took the cores of a machine to themselves would oversubscribe them, and
+def threads_per_slot(ranks: int, cores: int | None = None, capacity: int | None = None) -> int:
+    """CPU threads for a rank of a local job of the service: its slot's share of the cores, or its job's share
+    when the job has more ranks than the machine has slots (it then runs alone). Jobs run side by side up to the
+    capacity, so ranks that each took the cores of a machine to themselves would oversubscribe them, and
     libgomp's threads spin while they wait for a core (measured in docs/jobs.md, "Queue")."""
     cores = cores or len(os.sched_getaffinity(0))
-    return max(1, cores // (capacity or local_capacity()))
+    return max(1, cores // max(ranks, capacity or local_capacity()))
 
 
 def local_capacity() -> int:

@@ -206,7 +206,7 @@ class Supervisor:
         once the job's processes are gone."""
         env = {**spec.environment_variables, ATTEMPT_ENV: str(attempt)}
         if self.confined and spec.resources.backend == "local":  # it shares this machine with the other jobs
-            env.setdefault(THREADS_ENV, str(threads_per_slot()))
+            env.setdefault(THREADS_ENV, str(threads_per_slot(spec.distribution.process_count_per_instance)))
         spec = spec.model_copy(update={"environment_variables": env})
         outputs = JobOutputs.at(spec.outputs.dir)
         clear_heartbeats(outputs, spec.world_size)
