@@ -470,11 +470,7 @@ def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: 
 
 def _node_processes(out: Path, *, host: bool) -> list[psutil.Process]:
     """The agent that hosts the job's rendezvous (or the one that does not), its Ray actor and its workers."""
-    agents = [
-        p
-        for p in _job_processes(out)
-        if "clusterfit.backends.agent" in " ".join(p.cmdline()) and ("is_host=1" in " ".join(p.cmdline())) == host
-    ]
+    agents = [p for p in _agents(_job_processes(out)) if ("is_host=1" in " ".join(p.cmdline())) == host]
     assert len(agents) == 1, [p.cmdline() for p in agents]
     return [agents[0].parent(), agents[0], *agents[0].children(recursive=True)]
 
@@ -500,9 +496,16 @@ def _wait_until_training(out: Path, launcher: subprocess.Popen[bytes] | None) ->
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.2)
     processes = _job_processes(out)
-    agents = [p for p in processes if "clusterfit.backends.agent" in " ".join(p.cmdline())]
+    agents = _agents(processes)
     assert len(agents) == 2 and len(processes) >= 4, [p.cmdline() for p in processes]
     return processes
+
+
+def _agents(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """The torchrun agents among `processes`. A process an agent forks (its fork server, before that server
+    retitles itself) shows the agent's command for a moment: on a loaded machine, long enough to be seen."""
+    titled = {p.pid for p in processes if "clusterfit.backends.agent" in " ".join(p.cmdline())}
+    return [p for p in processes if p.pid in titled and p.ppid() not in titled]
 
 
 def _job_processes(out: Path) -> list[psutil.Process]:

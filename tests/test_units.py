@@ -6,6 +6,8 @@ import faulthandler
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -480,3 +482,35 @@ def test_a_program_ends_with_the_code_the_interpreter_would_give_it(capsys) -> N
     printed = capsys.readouterr().err
     assert printed.startswith("Traceback (most recent call last):")
     assert printed.endswith("RuntimeError: rank 1 failed\n")
+
+
+def test_a_fork_of_the_agent_retitles_itself_after_the_environment_changed() -> None:
+    """The agent's fork server and ranks show their own command in `ps`, even once something in the agent set
+    its first environment variable again before forking them (setproctitle would then retitle nothing)."""
+    program = """
+import os, sys, setproctitle
+from clusterfit.backends.agent import hold_the_process_title
+if sys.argv[1] == "held":
+    hold_the_process_title()
+first = next(iter(os.environ))
+os.environ[first] += "-set-again"
+retitled, told = os.pipe()
+parent_ends, parent_alive = os.pipe()
+child = os.fork()
+if child == 0:
+    os.close(parent_alive)
+    setproctitle.setproctitle("the retitled child")
+    os.write(told, b"1")
+    os.read(parent_ends, 1)
+    os._exit(0)
+os.read(retitled, 1)
+print(open(f"/proc/{child}/cmdline", "rb").read().split(bytes(1))[0].decode())
+"""
+
+    def child_title(held: str) -> str:
+        result = subprocess.run([sys.executable, "-c", program, held], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        return result.stdout.strip()
+
+    assert child_title("held") == "the retitled child"
+    assert child_title("not held") != "the retitled child"  # as the agent was before: the trap is real

@@ -37,6 +37,7 @@ _FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    hold_the_process_title()
     # torch, torchvision and the trainer, imported once for every rank
     trainer = importlib.import_module(_TRAINER_MAIN) if runs_the_trainer(argv) else None
     # NOTE: imported here: the launcher renders this command with the module's names and never imports torch.
@@ -57,6 +58,14 @@ def main(argv: list[str] | None = None) -> None:
         record(torchrun.run)(args)
     finally:
         _stop_fork_server()
+
+
+def hold_the_process_title() -> None:
+    """Makes setproctitle find this process's command line now, for the fork server and the ranks to retitle
+    themselves later. setproctitle finds it once, walking back from the first environment variable's text,
+    and if anything has set that variable again by then it silently retitles nothing: a fork server then
+    showed the agent's command, and a test on Ray took it for a second agent."""
+    setproctitle.getproctitle()
 
 
 def runs_the_trainer(argv: list[str]) -> bool:
