@@ -115,7 +115,9 @@ def classify(evidence: Evidence) -> Failure:
     # NOTE: torchrun's summary names the first rank exit the agent noticed, and a peer's "connection closed"
     # can come before the OOM-killed rank's exit (the kernel first frees its memory); the kernel's log names it.
     signalled = dict(sorted(({rank: -signal.SIGKILL for rank in oom_killed} | signalled).items()))
-    if signalled and all(_PEER_LOST.search(e.message) for e in evidence.exceptions):
+    # A peer's "connection closed" only follows from another rank's failure: what a rank raised of its own.
+    own = tuple(e for e in evidence.exceptions if not _PEER_LOST.search(e.message))
+    if signalled and not own:
         # Only a lost peer was raised: the killed rank is the cause, whichever agent reported first.
         return _killed(*next(iter(signalled.items())), evidence)
     if not evidence.rank_exits and oom_killed:
@@ -123,10 +125,10 @@ def classify(evidence: Evidence) -> Failure:
         # names a rank of this job that it OOM-killed: the other ranks' errors followed from that.
         return _killed(oom_killed[0], -signal.SIGKILL, evidence)
     if evidence.exceptions:
-        # A peer's "connection closed" only follows from another rank's failure, yet its rank can exit first
-        # and be torchrun's root cause: the rank whose own exception it was is the cause.
-        own = tuple(e for e in evidence.exceptions if not _PEER_LOST.search(e.message)) or evidence.exceptions
-        first = next((e for e in own if e.rank == root_rank), own[0])
+        # The rank that lost its peer can exit first and be torchrun's root cause: the rank whose own exception
+        # it was is the cause.
+        raised = own or evidence.exceptions
+        first = next((e for e in raised if e.rank == root_rank), raised[0])
         return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
     taken = next((line for line in evidence.agent_tail if _PORT_TAKEN.search(line)), None)
     if taken is not None:
