@@ -514,3 +514,26 @@ print(open(f"/proc/{child}/cmdline", "rb").read().split(bytes(1))[0].decode())
 
     assert child_title("held") == "the retitled child"
     assert child_title("not held") != "the retitled child"  # as the agent was before: the trap is real
+
+
+def test_an_export_that_computes_something_else_than_the_model_is_flagged(tmp_path: Path) -> None:
+    """The TorchScript copy is checked on an image other than the one traced: a model that branches on its
+    input's values is traced down one branch, and the export says so; a plain model exports silently."""
+    import warnings
+
+    from clusterfit.worker.export import export_model
+
+    class BranchesOnItsInput(torch.nn.Module):
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            pooled = images.mean(dim=(2, 3))
+            return pooled if pooled.sum() > 0 else -pooled  # traced on zeros: the second branch only
+
+    metadata = {"model": "test", "classes": ["a", "b", "c"]}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_model(torch.nn.Conv2d(3, 3, 1), tmp_path / "plain", metadata=metadata, image_size=8)
+        assert not [w for w in caught if "TorchScript export" in str(w.message)]
+        export_model(BranchesOnItsInput(), tmp_path / "branching", metadata=metadata, image_size=8)
+    flagged = [str(w.message) for w in caught if "TorchScript export" in str(w.message)]
+    assert len(flagged) == 1 and "load the safetensors weights" in flagged[0], [str(w.message) for w in caught]
+    assert (tmp_path / "branching" / "model.torchscript.pt").exists()  # written, as torch's own check leaves it
