@@ -38,15 +38,18 @@ _FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     hold_the_process_title()
+    # The imports' objects (355,000 with the trainer's) live as long as the agent and every forked rank. While
+    # they are made, each collection walks all made so far; after, frozen, the collector no longer walks them,
+    # nor dirties the pages the forks share.
+    gc.disable()
     # torch, torchvision and the trainer, imported once for every rank
     trainer = importlib.import_module(_TRAINER_MAIN) if runs_the_trainer(argv) else None
     # NOTE: imported here: the launcher renders this command with the module's names and never imports torch.
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    # The imports' objects (355,000 with the trainer's) live as long as the agent and every forked rank: frozen,
-    # the garbage collector no longer walks them, nor dirties the pages the forks share.
     gc.freeze()
+    gc.enable()
     args = torchrun.parse_args(argv)
     if trainer is not None:
         multiprocessing.set_forkserver_preload([_TRAINER_MAIN])  # a server not forked from here imports them
