@@ -403,6 +403,31 @@ def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> 
             id="the-raising-rank-not-its-peer-that-exited-first",
         ),
         pytest.param(
+            Evidence(
+                exit_code=1,
+                exceptions=(_exception(0, 10, "RuntimeError: [pair.cc:545] Read error: Connection reset by peer."),),
+                rank_exits={0: 1},
+                root_rank=0,
+                log_tails={0: ("RuntimeError: Connection reset by peer",), 1: ("[rank1] epoch 1 step 3",)},
+            ),
+            FailureCause.SIGNAL,
+            "rank 1 killed by a signal",
+            id="a-killed-rank-missing-from-the-agent-s-summary-of-forked-ranks",
+        ),
+        pytest.param(
+            Evidence(
+                exit_code=1,
+                exceptions=(_exception(0, 10, "RuntimeError: Connection reset by peer"),),
+                rank_exits={0: 1},
+                root_rank=0,
+                stopped_by_agent=frozenset({1}),
+                log_tails={0: ("RuntimeError: Connection reset by peer",), 1: ("[rank1] epoch 1 step 3",)},
+            ),
+            FailureCause.EXCEPTION,
+            "rank 0: RuntimeError: Connection reset by peer",
+            id="a-rank-the-agent-stopped-did-not-vanish",
+        ),
+        pytest.param(
             Evidence(exit_code=1, rank_exits={1: 3}, log_tails={1: ("last words",)}),
             FailureCause.EXIT_CODE,
             "rank 1 exited with code 3",

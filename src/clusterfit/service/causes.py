@@ -124,6 +124,23 @@ def classify(evidence: Evidence) -> Failure:
         # The agent ended without its summary of the ranks' exits (torchrun itself failed), but the kernel's log
         # names a rank of this job that it OOM-killed: the other ranks' errors followed from that.
         return _killed(oom_killed[0], -signal.SIGKILL, evidence)
+    # NOTE: torchrun's summary of forked ranks names only the first exit its agent saw. A rank that raised
+    # nothing, is missing from it and was not stopped by the agent ended before the ranks that only lost it.
+    vanished = [
+        rank
+        for rank in sorted(evidence.log_tails)
+        if rank not in evidence.rank_exits
+        and rank not in evidence.stopped_by_agent
+        and all(e.rank != rank for e in evidence.exceptions)
+    ]
+    if evidence.rank_exits and evidence.exceptions and not own and vanished:
+        rank = vanished[0]
+        return Failure(
+            FailureCause.SIGNAL,
+            f"rank {rank} killed by a signal (another process, the OOM killer), or its program ended early: it "
+            "ended first with no error of its own, and the other ranks only lost it",
+            _last(evidence, rank),
+        )
     if evidence.exceptions:
         # The rank that lost its peer can exit first and be torchrun's root cause: the rank whose own exception
         # it was is the cause.
