@@ -15,6 +15,7 @@ from clusterfit.backends.slurm import sbatch_refusal
 from clusterfit.data.staging import StagingError
 from clusterfit.errors import ClusterfitError, DataError, EngineError, SpecError
 from clusterfit.outputs import JobOutputs, Phase, RankBeat, write_heartbeat
+from clusterfit.outputs.logs import rank_process_exit_line
 from clusterfit.service.causes import (
     Evidence,
     RankException,
@@ -510,6 +511,37 @@ Root Cause (first observed failure):
   RuntimeError: [gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:12203: Connection reset by peer.
 ============================================================
 """
+
+
+def test_a_killed_forked_rank_left_out_of_torchruns_summary_is_named_with_its_signal(tmp_path: Path) -> None:
+    """The summary of forked ranks names rank 0's lost peer alone ("<NO_OTHER_FAILURES>"); the agent's line for
+    each rank process, matched to its rank by the pid in its heartbeat, names rank 1's SIGKILL."""
+    outputs = JobOutputs(tmp_path)
+    outputs.logs.mkdir()
+    host = socket.gethostname()
+    exits = [rank_process_exit_line(7757, host, 1), rank_process_exit_line(7758, host, -9)]
+    (outputs.logs / "agent.log").write_text("\n".join([*exits, PEER_SUMMARY]))
+    (outputs.logs / "rank-0.error.json").write_text(
+        json.dumps({"message": {"message": "RuntimeError: Read error: Connection reset by peer.", "extraInfo": {}}})
+    )
+    for rank, pid in [(0, 7757), (1, 7758)]:
+        write_heartbeat(outputs, RankBeat(rank, Phase.TRAINING.value, 3, 0.0, None, pid, host, 1))
+    evidence = gather_evidence(outputs, 2, exit_code=1)
+    assert evidence.rank_exits == {0: 1, 1: -9} and evidence.rank_pids == {0: 7757, 1: 7758}
+    assert classify(evidence).summary.startswith("rank 1 killed by SIGKILL (signal 9)")
+    # The agent ending rank 1 after rank 0 failed of its own: rank 1's SIGTERM is never the cause.
+    terminated = "W1128 01:50:50.050000 2608 spawn.py:165] Terminating process 7758 via signal SIGTERM"
+    stopped = [terminated, rank_process_exit_line(7757, host, 1), rank_process_exit_line(7758, host, -15)]
+    (outputs.logs / "agent.log").write_text("\n".join([*stopped, PEER_SUMMARY]))
+    (outputs.logs / "rank-0.error.json").write_text(
+        json.dumps({"message": {"message": "ValueError: a bad batch", "extraInfo": {}}})
+    )
+    evidence = gather_evidence(outputs, 2, exit_code=1)
+    assert evidence.rank_exits == {0: 1, 1: -15} and evidence.stopped_by_agent == {1}
+    assert classify(evidence).summary == "rank 0: ValueError: a bad batch"
+    # Another node's process with the same pid is not this rank's.
+    (outputs.logs / "agent.log").write_text("\n".join([rank_process_exit_line(7758, "another-node", -9), PEER_SUMMARY]))
+    assert gather_evidence(outputs, 2, exit_code=1).rank_exits == {0: 1}
 
 
 def test_with_several_agents_the_first_summary_written_names_the_root_cause(tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ import faulthandler
 import json
 import math
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -514,6 +516,35 @@ print(open(f"/proc/{child}/cmdline", "rb").read().split(bytes(1))[0].decode())
 
     assert child_title("held") == "the retitled child"
     assert child_title("not held") != "the retitled child"  # as the agent was before: the trap is real
+
+
+def _rank_1_killed_then_rank_0_fails(index: int) -> None:
+    if index == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)  # rank 0 fails on the lost peer a moment later
+    sys.exit(1)
+
+
+def test_the_agent_reports_every_forked_ranks_exit_where_torchrun_names_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 SIGKILLed, then rank 0 failing on it, both gone before the agent looks: torchrun's join reports
+    rank 0 alone (the first in its order). The agent's own lines give both exits, rank 1's signal included."""
+    from torch.multiprocessing import ProcessExitedException, start_processes
+    from torch.multiprocessing.spawn import ProcessContext
+
+    from clusterfit.backends.agent import report_every_rank_exit
+    from clusterfit.outputs.logs import rank_process_exits
+
+    monkeypatch.setattr(ProcessContext, "join", ProcessContext.join)  # restored after the test
+    report_every_rank_exit()
+    context = start_processes(_rank_1_killed_then_rank_0_fails, nprocs=2, join=False, start_method="fork")
+    wait_for(lambda: not any(p.is_alive() for p in context.processes), 30, "both ranks to exit")
+    with pytest.raises(ProcessExitedException) as raised:
+        context.join(-1)
+    assert raised.value.error_index == 0, "torchrun's report: the rank that only lost its peer"
+    host, (rank_0, rank_1) = socket.gethostname(), context.pids()
+    assert rank_process_exits(capsys.readouterr().err.splitlines()) == {(host, rank_0): 1, (host, rank_1): -9}
 
 
 def test_an_export_that_computes_something_else_than_the_model_is_flagged(tmp_path: Path) -> None:

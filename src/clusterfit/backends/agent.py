@@ -22,6 +22,7 @@ import multiprocessing.util
 import os
 import shlex
 import signal
+import socket
 import sys
 import traceback
 
@@ -56,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         _fork_the_fork_server()
         args.module, args.run_path = False, True
         args.training_script, args.start_method = trainer.__file__, "forkserver"
+        report_every_rank_exit()
     try:
         # As torchrun's own main: a failed rank's error file becomes the agent's summary of the job's failure.
         record(torchrun.run)(args)
@@ -110,6 +112,30 @@ def _fork_the_fork_server() -> None:
         multiprocessing.forkserver.ensure_running()
     finally:
         multiprocessing.util.spawnv_passfds = spawn
+
+
+def report_every_rank_exit() -> None:
+    """Writes every forked rank's exit to the agent's log once the ranks have failed. torchrun's summary of
+    forked ranks names only the first exit its agent saw: when rank 1 was SIGKILLed and rank 0 then failed on
+    the lost connection before the agent looked, the summary blamed rank 0's "connection reset". torchrun has
+    every exit code by then (its ProcessContext.join ends the other ranks before it raises) but reports none;
+    its join is wrapped here, in this process alone, to write them."""
+    from torch.multiprocessing import ProcessContext, ProcessExitedException, ProcessRaisedException
+
+    from clusterfit.outputs.logs import rank_process_exit_line
+
+    join, host = ProcessContext.join, socket.gethostname()
+
+    def join_then_report(context: ProcessContext, *args: object, **kwargs: object) -> bool:
+        try:
+            return join(context, *args, **kwargs)
+        except (ProcessExitedException, ProcessRaisedException):
+            for process in context.processes:
+                if process.pid is not None and process.exitcode is not None:
+                    print(rank_process_exit_line(process.pid, host, process.exitcode), file=sys.stderr, flush=True)
+            raise
+
+    ProcessContext.join = join_then_report
 
 
 def _close_all_but(kept: list[int]) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from clusterfit.outputs.layout import AGENT_LOG, rank_files, rank_log_name
 
 _CURRENT_RANK_LOG = re.compile(r"^rank-(\d+)\.log$")
+_RANK_PROCESS_EXIT = re.compile(r"^clusterfit agent: rank process (\d+) on (\S+) ended with exit code (-?\d+)$")
 
 
 def rank_of_log(name: str) -> int | None:
@@ -50,3 +51,18 @@ def rotate(path: Path) -> None:
     for older in range(generation, 1, -1):
         os.replace(path.with_name(f"{path.name}.{older - 1}"), path.with_name(f"{path.name}.{older}"))
     os.replace(path, path.with_name(f"{path.name}.1"))
+
+
+def rank_process_exit_line(pid: int, host: str, exit_code: int) -> str:
+    """The agent's line in agent.log for one rank process's exit once the ranks failed, its pid told apart
+    from other nodes' by its host: torchrun's own summary of forked ranks names only the first exit it saw."""
+    return f"clusterfit agent: rank process {pid} on {host} ended with exit code {exit_code}"
+
+
+def rank_process_exits(agent_lines: list[str]) -> dict[tuple[str, int], int]:
+    """(host, pid) -> exit code, from the agent's lines written by `rank_process_exit_line`; a later line wins."""
+    exits: dict[tuple[str, int], int] = {}
+    for line in agent_lines:
+        if match := _RANK_PROCESS_EXIT.match(line.strip()):
+            exits[match.group(2), int(match.group(1))] = int(match.group(3))
+    return exits

@@ -17,7 +17,7 @@ from clusterfit.errors import ClusterfitError, DataError, SpecError
 from clusterfit.files import read_regular, read_whole_regular
 from clusterfit.outputs import JobOutputs, read_heartbeats
 from clusterfit.outputs.layout import rank_error_file_name, rank_files
-from clusterfit.outputs.logs import rank_logs
+from clusterfit.outputs.logs import rank_logs, rank_process_exits
 from clusterfit.service.states import FailureCause
 
 _LARGEST_ERROR_FILE = 4 * 1024 * 1024  # torchrun's error file with a deep traceback is a few hundred kB
@@ -27,7 +27,9 @@ _LARGEST_ERROR_FILE = 4 * 1024 * 1024  # torchrun's error file with a deep trace
 _AGENT_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank")
 _AGENT_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 _AGENT_EXIT_PID = re.compile(r"exitcode\s*:\s*-?\d+\s*\(pid:\s*(\d+)\)")
-_AGENT_CLOSED = re.compile(r"Sending process (\d+) closing signal")
+# The agent stopping a rank: torchrun's subprocesses ("Sending process"), its forked ranks when one failed
+# ("Terminating process") and when the agent itself stops ("Closing process").
+_AGENT_CLOSED = re.compile(r"Sending process (\d+) closing signal|(?:Terminating|Closing) process (\d+) via signal")
 # Enough to reach past the tracebacks that follow a first error (a DataLoader worker's error is followed by the
 # rank's own traceback and its peers' "connection closed"); tail_lines reads at most 64 KiB anyway.
 _TAIL_LINES = 1000
@@ -252,10 +254,22 @@ def gather_evidence(
     on several nodes, by every node's agent."""
     log_dir = outputs.logs
     agent_lines = _lines_since(outputs.agent_log, agent_log_start)
-    exits, root_rank, stopped_by_agent, pids = _agent_rank_exits(agent_lines)
+    exits, root_rank, pids = _agent_rank_exits(agent_lines)
+    beats = read_heartbeats(outputs, world_size)
+    # The agent's line for each forked rank's exit, whose pid a heartbeat names: every rank's, where torchrun's
+    # summary has only the first. The summary's own exits stay as they are.
+    process_exits = rank_process_exits(agent_lines)
+    for rank, beat in beats.items():
+        code = process_exits.get((beat.host, beat.pid))
+        if code is not None and rank not in exits:
+            exits[rank] = code
+            pids[rank] = beat.pid
+    # The ranks whose process the agent sent a closing signal to.
+    closed_pids = {int(match[1] or match[2]) for line in agent_lines if (match := _AGENT_CLOSED.search(line))}
+    stopped_by_agent = frozenset(rank for rank, pid in pids.items() if pid in closed_pids)
     if not pids:  # no summary from the agent: the pids the ranks on this node gave in their heartbeats
         host = socket.gethostname()
-        pids = {rank: beat.pid for rank, beat in read_heartbeats(outputs, world_size).items() if beat.host == host}
+        pids = {rank: beat.pid for rank, beat in beats.items() if beat.host == host}
     return Evidence(
         exit_code=exit_code,
         exceptions=tuple(_exceptions(log_dir, world_size)),
@@ -306,17 +320,13 @@ def _lines_since(path: Path, start: int, max_bytes: int = 1 << 20) -> list[str]:
         return []
 
 
-def _agent_rank_exits(
-    agent_lines: list[str],
-) -> tuple[dict[int, int], int | None, frozenset[int], dict[int, int]]:
+def _agent_rank_exits(agent_lines: list[str]) -> tuple[dict[int, int], int | None, dict[int, int]]:
     """rank -> exit code from the failure summaries torchrun prints when workers fail, and the rank named as
     the root cause (the first failure observed) in the first summary written: with several nodes each agent
-    prints its own, and a later one is a peer failing because of the first (e.g. "connection reset"). Also the
-    ranks whose process the agent sent a closing signal to, and each failed rank's pid."""
+    prints its own, and a later one is a peer failing because of the first (e.g. "connection reset"). Also each
+    failed rank's pid."""
     exits: dict[int, int] = {}
     pids: dict[int, int] = {}
-    closed_pids = {int(match.group(1)) for line in agent_lines if (match := _AGENT_CLOSED.search(line))}
-    stopped: set[int] = set()
     rank: int | None = None
     root_rank: int | None = None
     in_root_section = False
@@ -336,10 +346,8 @@ def _agent_rank_exits(
             pid_match = _AGENT_EXIT_PID.search(line)
             if pid_match:
                 pids[rank] = int(pid_match.group(1))
-                if pids[rank] in closed_pids:
-                    stopped.add(rank)
             rank = None
-    return exits, root_rank, frozenset(stopped), pids
+    return exits, root_rank, pids
 
 
 _KERNEL_OOM_KILL = re.compile(r"Killed process (\d+) \(")
