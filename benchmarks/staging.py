@@ -16,9 +16,13 @@ timed. Then, in rotating order for `--rounds` rounds:
 Prints the median and range of each, and staging's median as a fraction of the best ceiling median. With
 `--previous FILE`, another version of `clusterfit/data/staging.py` is measured in the same rotation.
 
+With `--listed N`, only the listing is measured instead, on N objects of one byte: fsspec's `find` through
+adlfs (what staging used) against `clusterfit.storage.filesystems.list_files`, in alternation.
+
     python benchmarks/staging.py --files 1000 --file-kb 110 --workers 32 --rounds 3
     git show HEAD~5:src/clusterfit/data/staging.py > /tmp/old_staging.py
     python benchmarks/staging.py --cache-dir /dev/shm --previous /tmp/old_staging.py
+    python benchmarks/staging.py --listed 20000 --rounds 5
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from azurite import Azurite  # noqa: E402 - the tests' helper: one way to start 
 
 from clusterfit.bench.data import machine_description  # noqa: E402
 from clusterfit.data.staging import Credentials, stage  # noqa: E402
+from clusterfit.storage.filesystems import list_files, open_filesystem  # noqa: E402
 
 CONTAINER = "bench"
 
@@ -73,6 +78,42 @@ async def raw_gets(
                     (into / name).write_bytes(body)
 
         await asyncio.gather(*(getter() for _ in range(concurrency)))
+
+
+async def upload_tiny(connection_string: str, names: list[str], concurrency: int = 32) -> None:
+    async with ContainerClient.from_connection_string(connection_string, CONTAINER) as container:
+        pending = iter(names)
+
+        async def uploader() -> None:
+            for name in pending:
+                await container.upload_blob(name, b"x", overwrite=True)
+
+        await asyncio.gather(*(uploader() for _ in range(concurrency)))
+
+
+def measure_listing(connection_string: str, count: int, rounds: int) -> None:
+    """Listing `count` objects: adlfs's find against list_files, alternating, `rounds` times each."""
+    names = [f"listed/c{index % 100}/{index:07d}.jpg" for index in range(count)]
+    asyncio.run(upload_tiny(connection_string, names))
+    fs, root = open_filesystem(f"az://{CONTAINER}/listed", Credentials())
+    measures: dict[str, Callable[[], object]] = {
+        "fsspec find (adlfs: the SDK's blob properties)": lambda: fs.find(root, detail=True),
+        "clusterfit list_files (names-only listing, sizes from its answers)": lambda: list_files(fs, root),
+    }
+    assert len(list_files(fs, root)) == count and len(fs.find(root)) == count
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in measures}
+    for round_index in range(rounds):
+        order = list(measures)[round_index % 2 :] + list(measures)[: round_index % 2]
+        for name in order:
+            results[name].append(timed(measures[name]))
+    print(f"machine: {machine_description()}")
+    print(f"Azurite on 127.0.0.1 (sharing the cores), listing {count} objects, {rounds} rounds\n")
+    print("| listing | wall s median | range | client CPU s per 1000 objects |")
+    print("|---|---:|---:|---:|")
+    for name, timings in results.items():
+        walls = [wall for wall, _ in timings]
+        cpu = statistics.median(c for _, c in timings) * 1000 / count
+        print(f"| {name} | {statistics.median(walls):.2f} | {min(walls):.2f}–{max(walls):.2f} | {cpu:.3f} |")
 
 
 def load_module(path: Path) -> Any:
@@ -112,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         help="another version of clusterfit/data/staging.py to measure beside this one, e.g. from "
         "`git show COMMIT:src/clusterfit/data/staging.py > old_staging.py`",
     )
+    parser.add_argument("--listed", type=int, default=0, help="measure only the listing of this many objects")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.ceiling_concurrency.split(",")]
     names = [f"small/c{index % 10}/{index:06d}.jpg" for index in range(args.files)]
@@ -125,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
             connection = server.connection_string()
             service = BlobServiceClient.from_connection_string(connection)
             service.create_container(CONTAINER)
-            upload(service, names, args.file_kb)
             os.environ["AZURE_STORAGE_CONNECTION_STRING"] = connection
+            if args.listed:
+                measure_listing(connection, args.listed, args.rounds)
+                return 0
+            upload(service, names, args.file_kb)
 
             def emptied(*folders: Path) -> None:
                 for folder in folders:

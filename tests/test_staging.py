@@ -37,6 +37,7 @@ from clusterfit.data.staging import (
 from clusterfit.data.transforms import TrainCrop
 from clusterfit.models import build_model
 from clusterfit.spec.model import StorageSpec
+from clusterfit.storage.filesystems import list_files
 
 CONTAINER = "data"
 
@@ -74,6 +75,32 @@ def _env(azurite: Azurite, **extra: str) -> dict[str, str]:
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cli_command(*args), env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_azure_listing_reads_what_adlfs_finds_in_pages(azurite: Azurite) -> None:
+    """Names and sizes only, from Azure's names-only listing: the files adlfs's find gives, folder markers (of
+    Azure's tools, of adlfs) left out, a sibling folder with a longer name left out, a file's URL answered with
+    that file, and a listing of several pages. An empty blob whose name ends in "/" marks a folder too (as
+    object stores' consoles write them); adlfs's find alone takes it for an empty file."""
+    container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
+    blobs = {"listed/a/1.jpg": b"1", "listed/a/2.jpg": b"22", "listed/b/3.jpg": b"", "listed/c.jpg": b"4444"}
+    markers = {"listed/a": {"hdi_isfolder": "true"}, "listed/d": {"is_directory": "true"}, "listed/e/": {}}
+    for name, body in [*blobs.items(), ("listed-not/x.jpg", b"5")]:
+        container.upload_blob(name, body, overwrite=True)
+    for name, metadata in markers.items():
+        container.upload_blob(name, b"", metadata=metadata, overwrite=True)
+    connection = (("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string()),)
+    fs, root = open_filesystem(f"az://{CONTAINER}/listed", Credentials(variables=connection))
+    expected = {f"{CONTAINER}/{name}": len(body) for name, body in blobs.items()}
+    found = fs.find(root, detail=True)
+    assert {path: info["size"] for path, info in found.items() if info["type"] == "file"} == {
+        **expected,
+        f"{CONTAINER}/listed/e": 0,
+    }
+    assert list_files(fs, root) == expected
+    assert list_files(fs, root, page_size=2) == expected
+    assert list_files(fs, f"{root}/c.jpg") == {f"{CONTAINER}/listed/c.jpg": 4}
+    assert list_files(fs, f"{root}/nothing") == {}
 
 
 def test_stage_an_imagenet_tree_then_reuse_and_repair(azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path) -> None:

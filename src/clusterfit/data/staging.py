@@ -40,6 +40,7 @@ from clusterfit.storage.filesystems import (
     cache_folder,
     credentials,
     job_credentials,
+    list_files,
     open_filesystem,
     public,
     storage_error,
@@ -193,23 +194,18 @@ def _list(fs: Any, root: str, url: str, creds: Credentials) -> tuple[str, dict[s
     """The remote folder the files are in, and each file's path below it with its size: every file under a
     folder's URL, or the one file a file's URL names."""
     try:
-        found = fs.find(root, detail=True)
-        if not isinstance(found, dict):  # adlfs answers a file's URL with a list of its name, without details
-            found = {name: fs.info(name) for name in found}
+        found = list_files(fs, root)
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types; all become one line
         raise storage_error(url, exc, creds, kind=StagingError) from None
     listing = {}
-    one_file = list(found) == [root] and found[root].get("type") != "directory"
-    folder = root.rsplit("/", 1)[0] if one_file else root
-    for path, info in found.items():
-        if info.get("type") == "directory":
-            continue
+    folder = root.rsplit("/", 1)[0] if list(found) == [root] else root
+    for path, size in found.items():
         rel = path[len(folder) :].lstrip("/") if path.startswith(folder) else path.rsplit("/", 1)[-1]
         if not rel or rel.startswith("/") or ".." in rel.split("/"):
             raise StagingError(
                 f"{url}: object {path!r} would land outside the cache folder; refusing to stage it", retryable=False
             )
-        listing[rel] = int(info.get("size") or 0)
+        listing[rel] = size
     if not listing:
         raise StagingError(
             f"{url}: no files there; check the URL (a folder of <class>/<image> or a packed dataset)", retryable=False

@@ -212,6 +212,72 @@ def _azure_client(client: Any, *, with_environment: bool) -> Any:
     )
 
 
+def list_files(fs: Any, root: str, *, page_size: int | None = None) -> dict[str, int]:
+    """path -> size of every file under the folder `root`, or of the one file `root` names, as fsspec's
+    `find(detail=True)` gives them, folders left out. Paths start with `root` as the filesystem spells it.
+    `page_size`: names per listing request on Azure (the service's maximum, 5,000, by default)."""
+    if _AZURE_PROTOCOLS.intersection(_protocols(fs)):
+        from fsspec.asyn import sync
+
+        return sync(fs.loop, _list_azure_files, fs.service_client, root, page_size)
+    found = fs.find(root, detail=True)
+    if not isinstance(found, dict):  # a file's URL: some filesystems answer with a list of its name alone
+        found = {name: fs.info(name) for name in found}
+    return {path: int(info.get("size") or 0) for path, info in found.items() if info.get("type") != "directory"}
+
+
+_AZURE_PROTOCOLS = frozenset({"az", "abfs", "abfss"})
+
+
+def _protocols(fs: Any) -> set[str]:
+    return {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+
+
+async def _list_azure_files(service: Any, root: str, page_size: int | None = None) -> dict[str, int]:
+    """Azure's listing, with only the names, sizes and folder markers read from it. azure-storage-blob turns
+    each listed blob into a full properties object, which adlfs's find asks for: 0.23 ms of CPU per blob
+    against 0.08 here (20,000 blobs, benchmarks/RESULTS.md), 4.8 minutes for ImageNet's 1.28M files before the
+    first one is fetched, on every node that stages them. The SDK's names-only listing skips those objects; the
+    sizes and markers are read from the same answers (the List Blobs XML) through azure-core's public
+    per-request hook, as the SDK reads the names. Folders are told apart as adlfs tells them."""
+    from xml.etree import ElementTree
+
+    container, _, prefix = root.strip("/").partition("/")
+    sizes: dict[str, int] = {}
+    folders: set[str] = set()
+
+    def read_page(response: Any) -> None:
+        if response.http_response.status_code != 200:  # an answer that is retried
+            return
+        for blob in ElementTree.fromstring(response.http_response.body()).iterfind("Blobs/Blob"):
+            name = blob.findtext("Name") or ""
+            sizes[name] = int(blob.findtext("Properties/Content-Length") or 0)
+            if _is_folder(name, blob):
+                folders.add(name)
+
+    async with service.get_container_client(container) as client:
+        # NOTE: `include` goes on to the List Blobs request, as every keyword the names-only listing does not
+        # take itself: the metadata that marks a folder (hdi_isfolder) is then in the answer.
+        listed = client.list_blob_names(
+            name_starts_with=prefix, results_per_page=page_size, include=["metadata"], raw_response_hook=read_page
+        )
+        names = [name async for name in listed if not prefix or name == prefix or name.startswith(f"{prefix}/")]
+    if prefix in names and prefix not in folders:  # a file's URL: that file, as fsspec's find answers it
+        names = [prefix]
+    return {f"{container}/{name}": sizes[name] for name in names if name not in folders}
+
+
+def _is_folder(name: str, blob: Any) -> bool:
+    """A listed blob that stands for a folder: a hierarchical namespace's folder, a name ending in "/", or an
+    empty blob whose metadata marks it (hdi_isfolder, written by Azure's own tools; adlfs's is_directory)."""
+    if name.endswith("/") or blob.findtext("Properties/ResourceType") == "directory":
+        return True
+    marks = {element.tag.lower(): element.text for element in blob.iterfind("Metadata/*")}
+    return marks.get("is_directory") == "true" or (
+        marks.get("is_directory") != "false" and marks.get("hdi_isfolder") == "true"
+    )
+
+
 @dataclass(frozen=True)
 class StorageProblem:
     text: str  # one short line, without secrets, with the fix when known
