@@ -106,6 +106,9 @@ def drop_store_credentials(environ: MutableMapping[str, str]) -> list[str]:
     return dropped
 
 
+_AZURE_PROTOCOLS = frozenset({"az", "abfs", "abfss"})
+
+
 def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
     """(fsspec filesystem, path inside it). Filesystems are never shared between credentials."""
     import fsspec
@@ -113,7 +116,7 @@ def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
     protocol = url.split("://", 1)[0].lower()
     options: dict[str, Any] = {"skip_instance_cache": True}
     given = dict(creds.variables)
-    if protocol in ("az", "abfs", "abfss"):
+    if protocol in _AZURE_PROTOCOLS:
         if creds.endpoint and creds.sas_token:
             options["connection_string"] = f"BlobEndpoint={creds.endpoint};SharedAccessSignature={creds.sas_token}"
         else:
@@ -140,7 +143,7 @@ def open_filesystem(url: str, creds: Credentials) -> tuple[Any, str]:
         raise StorageError(f"{url}: no filesystem for {protocol}:// ({exc}); {hint}", retryable=False) from None
     except (ValueError, OSError) as exc:
         raise storage_error(url, exc, creds) from None
-    if protocol in ("az", "abfs", "abfss"):
+    if protocol in _AZURE_PROTOCOLS:
         fs.service_client = _azure_client(fs.service_client, with_environment=bool(_proxy_settings(os.environ)))
     return fs, path.rstrip("/")
 
@@ -224,9 +227,6 @@ def list_files(fs: Any, root: str, *, page_size: int | None = None) -> dict[str,
     if not isinstance(found, dict):  # a file's URL: some filesystems answer with a list of its name alone
         found = {name: fs.info(name) for name in found}
     return {path: int(info.get("size") or 0) for path, info in found.items() if info.get("type") != "directory"}
-
-
-_AZURE_PROTOCOLS = frozenset({"az", "abfs", "abfss"})
 
 
 def _protocols(fs: Any) -> set[str]:
