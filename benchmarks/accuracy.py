@@ -1,14 +1,17 @@
-"""Accuracy on a small real dataset: the trainer's augmentation presets side by side, several seeds.
+"""Accuracy on a small real dataset: the trainer's augmentation presets, or its gradient compressions, side by
+side, several seeds.
 
 The data is scikit-learn's bundled handwritten digits (1,797 real 8x8 greyscale scans of 10 classes, shipped
 inside the package, so nothing is downloaded), rendered once as 32x32 RGB PNGs (bicubic upscaling) in an
 ImageNet-layout folder with a fixed stratified 80/20 train/val split. Each configuration trains the same
 ResNet-18 with the same optimizer, schedule, epochs and global batch on 2 local ranks; what differs is the
-augmentation. Reported per configuration: final val top-1 per seed, the mean, and the job time at which val
+augmentation (`--compare augmentation`) or what DDP all-reduces (`--compare grad-compression`: fp32 gradients,
+or `trainer.grad_compression` fp16, bf16 or PowerSGD rank 1). Reported per configuration: final val top-1 per seed, the mean, and the job time at which val
 top-1 first reached --target (from summary.json's per-epoch `elapsed_s`).
 
     pip install -e ".[bench]"
     python benchmarks/accuracy.py --seeds 0,1,2 --epochs 8 --target 0.9
+    python benchmarks/accuracy.py --compare grad-compression --seeds 0,1,2 --epochs 8 --target 0.9
 """
 
 from __future__ import annotations
@@ -31,12 +34,20 @@ MOMENTUM = 0.9
 WEIGHT_DECAY = 5e-4  # clusterfit leaves normalisation weights and biases undecayed
 WARMUP_EPOCHS = 1
 
-CONFIGS: dict[str, dict[str, Any]] = {
-    "small preset (auto at 32 px)": {"augment": {"preset": "auto"}},
-    "imagenet preset": {"augment": {"preset": "imagenet"}},
-    "small + mixup 0.2 + label smoothing 0.1": {
-        "augment": {"preset": "small", "mixup_alpha": 0.2},
-        "label_smoothing": 0.1,
+COMPARISONS: dict[str, dict[str, dict[str, Any]]] = {
+    "augmentation": {
+        "small preset (auto at 32 px)": {"augment": {"preset": "auto"}},
+        "imagenet preset": {"augment": {"preset": "imagenet"}},
+        "small + mixup 0.2 + label smoothing 0.1": {
+            "augment": {"preset": "small", "mixup_alpha": 0.2},
+            "label_smoothing": 0.1,
+        },
+    },
+    "grad-compression": {
+        "fp32 gradients (no compression)": {},
+        "fp16 gradients": {"grad_compression": "fp16"},
+        "bf16 gradients": {"grad_compression": "bf16"},
+        "PowerSGD rank 1": {"grad_compression": "powersgd"},
     },
 }
 
@@ -117,6 +128,7 @@ def main() -> None:
     parser.add_argument("--precision", default="auto")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--target", type=float, default=0.9, help="val top-1 for the time-to-accuracy column")
+    parser.add_argument("--compare", choices=sorted(COMPARISONS), default="augmentation")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/accuracy.json"))
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -126,7 +138,7 @@ def main() -> None:
         workdir = Path(tmp)
         data = render_digits(workdir / "digits")
         for seed in seeds:  # seeds outermost: a drifting machine speed touches every configuration alike
-            for config, (name, trainer) in enumerate(CONFIGS.items()):
+            for config, (name, trainer) in enumerate(COMPARISONS[args.compare].items()):
                 results.setdefault(name, []).append(run(workdir, data, config, trainer, seed, args))
                 print(f"{name} seed {seed}: {results[name][-1]}", flush=True)
 

@@ -139,6 +139,35 @@ def test_bench_train_rotates_the_systems_and_marks_ratios_within_noise() -> None
     assert "| 12.5x |" not in report.markdown() and "| 1.18x |" in report.markdown()
 
 
+def test_bench_train_measures_gradient_compression_as_a_system_of_its_own() -> None:
+    from clusterfit.bench.train import Cell, StepSplit, TrainBenchConfig, TrainBenchReport
+
+    config = TrainBenchConfig(
+        models=("resnet50",), workers=(1, 2), steps=3, warmup=1, window=1, ray=False, grad_compression="fp16"
+    )
+    assert config.systems == ("hand-written DDP", "clusterfit", "clusterfit + fp16 gradients")
+    assert config.baselines == ("hand-written DDP",)  # compared with the baselines, never with clusterfit itself
+    report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "bf16")
+    for system, one, two in (("hand-written DDP", 10.0, 18.0), ("clusterfit", 10.5, 18.2)):
+        report.cells += [Cell(system, "resnet50", 1, 2, [], [one]), Cell(system, "resnet50", 2, 1, [], [two])]
+    report.cells += [
+        Cell("clusterfit + fp16 gradients", "resnet50", 1, 2, [], [10.4]),
+        Cell("clusterfit + fp16 gradients", "resnet50", 2, 1, [], [19.4], split=StepSplit.of(32 / 19.4, 1.6, 0.0)),
+    ]
+    report.fill_scaling()
+    compressed = report.cell("clusterfit + fp16 gradients", "resnet50", 2)
+    assert compressed.efficiency_vs_reference == pytest.approx(0.97)  # 19.4 / (2 x the hand-written 10.0)
+    assert compressed.efficiency_bound == pytest.approx(1.0)  # 16 images in 1.6 s of compute against 10.0
+    assert report.ratio("resnet50", 2, system="clusterfit + fp16 gradients") == pytest.approx(19.4 / 18.0)
+    table = report.markdown()
+    assert "| clusterfit ÷ hand-written DDP | clusterfit + fp16 gradients ÷ hand-written DDP |" in table
+    assert "| resnet50 | 2 | 1 | 18.0 | 18.2 | 19.4 | 1.01x | 1.08x | 0.90 | 0.87 | 0.93 |" in table
+    assert "| resnet50 | 2 | clusterfit + fp16 gradients | 1649 | 1600 | 49 | 0 | 0.97 | 1.00 |" in table
+    [_, two_ranks] = report.to_json()["ratios"]
+    assert two_ranks["clusterfit_fp16_gradients_over_hand_written_ddp"] == pytest.approx(19.4 / 18.0)
+    assert two_ranks["clusterfit_over_hand_written_ddp"] == pytest.approx(18.2 / 18.0)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -149,6 +178,7 @@ def test_bench_train_rotates_the_systems_and_marks_ratios_within_noise() -> None
         (["--steps", "30", "--window", "4"], "error: --window 4: must divide --steps 30 and --warmup 5"),
         (["--window", "0"], "error: --window 0: must divide --steps 30 and --warmup 5"),
         (["--rounds", "0"], "error: --rounds 0: run every system at least once per cell"),
+        (["--grad-compression", "int8"], "error: --grad-compression int8: choose none, fp16, bf16, powersgd"),
         (
             ["--workers", "1,64", "--cores-per-rank", "1"],
             "error: --cores-per-rank 1: 64 worker(s) x 1 core(s) must fit",

@@ -639,17 +639,21 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop_and_ray_trai
         "bench", "train", "--models", "resnet_tiny", "--workers", "2", "--image-size", "32", "--batch", "2",
         "--steps", "4", "--warmup", "2", "--window", "2", "--precision", "fp32", "--out", str(tmp_path),
         "--cores-per-rank", "1",
-        "--rounds", "1", "--ray-address", ray_cluster.address, env=ray_cluster.client_env(),
+        "--rounds", "1", "--ray-address", ray_cluster.address, "--grad-compression", "bf16",
+        env=ray_cluster.client_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "train.json").read_text())
     assert set(report) == {"config", "machine", "precision", "cells", "ratios", "orders"}
     assert report["config"]["cores_per_rank"] == 1
     # One round here (each run costs seconds of start-up); the rotation of more rounds is tested on its own.
-    assert report["orders"] == {"resnet_tiny/2": [["compute only", "hand-written DDP", "Ray Train", "clusterfit"]]}
+    compressed = "clusterfit + bf16 gradients"  # --grad-compression: clusterfit once more, with that DDP hook
+    assert report["orders"] == {
+        "resnet_tiny/2": [["compute only", "hand-written DDP", "Ray Train", "clusterfit", compressed]]
+    }
     assert {"cpu", "cores", "torch"} <= set(report["machine"]) and report["precision"] == "fp32"
     cells = {c["system"]: c for c in report["cells"]}
-    assert set(cells) == {"hand-written DDP", "clusterfit", "Ray Train"}
+    assert set(cells) == {"hand-written DDP", "clusterfit", "Ray Train", compressed}
     for cell in cells.values():
         assert cell["workers"] == 2 and cell["threads_per_rank"] == 1
         # 4 steps in windows of 2: clusterfit logged twice (log_every_steps), the loops' steps were summed by 2.
@@ -661,10 +665,19 @@ def test_bench_train_compares_clusterfit_with_the_hand_written_loop_and_ray_trai
         assert split["step_s"] > 0 and split["compute_s"] > 0 and split["data_wait_s"] >= 0
         assert split["communication_s"] == pytest.approx(split["step_s"] - split["compute_s"] - split["data_wait_s"])
     [ratios] = report["ratios"]
-    assert set(ratios) == {"model", "workers", "clusterfit_over_hand_written_ddp", "clusterfit_over_ray_train"}
+    assert set(ratios) == {
+        "model",
+        "workers",
+        *(
+            f"{ours}_over_{baseline}"
+            for ours in ("clusterfit", "clusterfit_bf16_gradients")
+            for baseline in ("hand_written_ddp", "ray_train")
+        ),
+    }
     assert (ratios["model"], ratios["workers"]) == ("resnet_tiny", 2) and ratios["clusterfit_over_ray_train"] > 0
     assert (tmp_path / "train.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "clusterfit ÷ hand-written" in result.stdout and "clusterfit ÷ Ray Train" in result.stdout
+    assert f"{compressed} ÷ hand-written DDP" in result.stdout
     for system in cells:
         assert f"| resnet_tiny | 2 | {system} |" in result.stdout, result.stdout
 

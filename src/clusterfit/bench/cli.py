@@ -75,6 +75,10 @@ def bench_train(
         Optional[int],  # noqa: UP045 - typer needs Optional here
         typer.Option(help="Run a cell of n ranks on n x this many cores (CPU affinity); default: all cores shared."),
     ] = None,
+    grad_compression: Annotated[
+        str,
+        typer.Option(help="Also measure clusterfit with this trainer.grad_compression: fp16, bf16 or powersgd."),
+    ] = "none",
     out: Annotated[Path, typer.Option(help="Folder for train.json and train.png.")] = Path("benchmarks/results"),
 ) -> None:
     """Training images/s of clusterfit vs a hand-written torchrun + DDP loop and the same loop under Ray Train,
@@ -103,6 +107,7 @@ def bench_train(
             ray=ray,
             ray_address=ray_address,
             cores_per_rank=cores_per_rank,
+            grad_compression=grad_compression,
         )
         return run_train_bench(config, out)
 

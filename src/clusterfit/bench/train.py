@@ -8,7 +8,9 @@ many cores):
   its metrics.jsonl;
 - hand-written: the baselines package's ddp_loop under torchrun; per-step wall time printed by rank 0;
 - Ray Train: the same loop function run by Ray Train's TorchTrainer on a local Ray instance
-  (the baselines package's ray_loop); per-step wall time of rank 0.
+  (the baselines package's ray_loop); per-step wall time of rank 0;
+- with `grad_compression`, clusterfit once more with that DDP communication hook (`trainer.grad_compression`):
+  an option of clusterfit's that the baselines do not take, measured against the same references.
 
 Every system is measured in windows of `window` steps (the baselines' step times summed per window). A window,
 not a step, because clusterfit's per-step figures would need a log record every step, and each costs a
@@ -58,6 +60,7 @@ BASELINE_MODULE = "clusterfit.bench.baselines.ddp_loop"
 RAY_MODULE = "clusterfit.bench.baselines.ray_loop"
 HAND_WRITTEN, RAY_TRAIN, CLUSTERFIT = "hand-written DDP", "Ray Train", "clusterfit"
 SYSTEMS = (HAND_WRITTEN, RAY_TRAIN, CLUSTERFIT)
+GRAD_COMPRESSIONS = ("fp16", "bf16", "powersgd")  # trainer.grad_compression's values other than none
 RESULTS_JSON = "train.json"
 RESULTS_PNG = "train.png"
 NUM_CLASSES = 1000
@@ -83,6 +86,8 @@ class TrainBenchConfig:
     # None: every cell shares all cores (threads per rank = cores / ranks). K: a cell of n ranks runs on n x K
     # cores (CPU affinity), as if each rank brought its own cores: the weak scaling of more machines or GPUs.
     cores_per_rank: int | None = None
+    # "none", or a trainer.grad_compression value: clusterfit is also measured with that communication hook.
+    grad_compression: str = "none"
 
     @property
     def warmup_windows(self) -> int:
@@ -90,11 +95,20 @@ class TrainBenchConfig:
 
     @property
     def systems(self) -> tuple[str, ...]:
-        return SYSTEMS if self.ray else (HAND_WRITTEN, CLUSTERFIT)
+        return (*(SYSTEMS if self.ray else (HAND_WRITTEN, CLUSTERFIT)), *self.compressed)
+
+    @property
+    def compressed(self) -> tuple[str, ...]:
+        """clusterfit with the gradient compression asked for, as a system of its own (or none)."""
+        return () if self.grad_compression == "none" else (compressed_system(self.grad_compression),)
+
+    @property
+    def ours(self) -> tuple[str, ...]:
+        return (CLUSTERFIT, *self.compressed)
 
     @property
     def baselines(self) -> tuple[str, ...]:
-        return tuple(s for s in self.systems if s != CLUSTERFIT)
+        return tuple(s for s in self.systems if s not in self.ours)
 
     def __post_init__(self) -> None:
         unknown = [m for m in self.models if m not in MODEL_NAMES]
@@ -113,6 +127,8 @@ class TrainBenchConfig:
             )
         if self.precision not in ("auto", "fp32", "bf16", "fp16"):
             raise SpecError(f"--precision {self.precision}: choose auto, fp32, bf16 or fp16")
+        if self.grad_compression not in ("none", *GRAD_COMPRESSIONS):
+            raise SpecError(f"--grad-compression {self.grad_compression}: choose none, {', '.join(GRAD_COMPRESSIONS)}")
         if self.cores_per_rank is not None:
             cores = len(os.sched_getaffinity(0))
             if self.cores_per_rank < 1 or max(self.workers) * self.cores_per_rank > cores:
@@ -125,6 +141,10 @@ class TrainBenchConfig:
         """The cores a cell of `workers` ranks runs on."""
         available = sorted(os.sched_getaffinity(0))
         return set(available if self.cores_per_rank is None else available[: workers * self.cores_per_rank])
+
+
+def compressed_system(kind: str) -> str:
+    return f"clusterfit + {kind} gradients"
 
 
 def parse_list(flag: str, text: str, kind: type = str) -> tuple:
@@ -196,13 +216,17 @@ class TrainBenchReport:
     def _find(self, system: str, model: str, workers: int) -> Cell | None:
         return next((c for c in self.cells if (c.system, c.model, c.workers) == (system, model, workers)), None)
 
-    def ratio(self, model: str, workers: int, baseline: str = HAND_WRITTEN) -> float:
-        return self.cell(CLUSTERFIT, model, workers).images_per_s / self.cell(baseline, model, workers).images_per_s
+    def ratio(self, model: str, workers: int, baseline: str = HAND_WRITTEN, system: str = CLUSTERFIT) -> float:
+        return self.cell(system, model, workers).images_per_s / self.cell(baseline, model, workers).images_per_s
 
-    def _ratio_text(self, model: str, workers: int, baseline: str) -> str:
-        ours, theirs = self.cell(CLUSTERFIT, model, workers), self.cell(baseline, model, workers)
+    def _ratio_text(self, model: str, workers: int, baseline: str, system: str) -> str:
+        ours, theirs = self.cell(system, model, workers), self.cell(baseline, model, workers)
         noise = " ~" if self.config.rounds > 1 and ours.overlaps(theirs) else ""
-        return f"{self.ratio(model, workers, baseline):.2f}x{noise}"
+        return f"{self.ratio(model, workers, baseline, system):.2f}x{noise}"
+
+    def _pairs(self) -> list[tuple[str, str]]:
+        """(one of ours, a baseline): the ratio columns."""
+        return [(system, baseline) for system in self.config.ours for baseline in self.config.baselines]
 
     def fill_scaling(self) -> None:
         for c in self.cells:
@@ -221,7 +245,7 @@ class TrainBenchReport:
             "cells": [{**asdict(c), "images_per_s": c.images_per_s} for c in self.cells],
             "orders": self.orders,
             "ratios": [
-                {"model": m, "workers": n, **{_ratio_key(b): self.ratio(m, n, b) for b in self.config.baselines}}
+                {"model": m, "workers": n, **{_ratio_key(s, b): self.ratio(m, n, b, s) for s, b in self._pairs()}}
                 for m in self.config.models
                 for n in self.config.workers
             ],
@@ -239,11 +263,11 @@ class TrainBenchReport:
             "| model | workers | threads/rank | "
             + " | ".join(f"{system} images/s" for system in c.systems)
             + " | "
-            + " | ".join(f"clusterfit ÷ {b}" for b in c.baselines)
+            + " | ".join(f"{s} ÷ {b}" for s, b in self._pairs())
             + " | "
             + " | ".join(f"scaling eff. {system}" for system in c.systems)
             + " |",
-            "|---|---:|---:|" + "---:|" * (2 * len(c.systems) + len(c.baselines)),
+            "|---|---:|---:|" + "---:|" * (2 * len(c.systems) + len(self._pairs())),
         ]
         for model in c.models:
             for n in c.workers:
@@ -252,7 +276,7 @@ class TrainBenchReport:
                     f"| {model} | {n} | {cells[0].threads_per_rank} | "
                     + " | ".join(_rate(cell) for cell in cells)
                     + " | "
-                    + " | ".join(self._ratio_text(model, n, b) for b in c.baselines)
+                    + " | ".join(self._ratio_text(model, n, b, s) for s, b in self._pairs())
                     + " | "
                     + " | ".join(_eff(cell) for cell in cells)
                     + " |"
@@ -262,8 +286,8 @@ class TrainBenchReport:
             "~: the two systems' round ranges overlap, so the difference is within this machine's noise.",
             *(
                 [
-                    "On 1 worker clusterfit trains without a DDP wrapper (nothing to all-reduce); the baselines keep"
-                    " theirs, so a gain there is not a gain of distributed training."
+                    "On 1 worker clusterfit trains without a DDP wrapper (nothing to all-reduce, so nothing to"
+                    " compress); the baselines keep theirs, so a gain there is not a gain of distributed training."
                 ]
                 if 1 in c.workers
                 else []
@@ -304,8 +328,12 @@ def _rate(cell: Cell) -> str:
     return f"{cell.images_per_s:.1f}" if low == high else f"{cell.images_per_s:.1f} ({low:.1f}-{high:.1f})"
 
 
-def _ratio_key(baseline: str) -> str:
-    return "clusterfit_over_" + baseline.lower().replace("-", "_").replace(" ", "_")
+def _ratio_key(system: str, baseline: str) -> str:
+    return f"{_snake(system)}_over_{_snake(baseline)}"
+
+
+def _snake(name: str) -> str:
+    return "_".join(name.lower().replace("-", " ").replace("+", " ").split())
 
 
 def _eff(cell: Cell) -> str:
@@ -512,6 +540,8 @@ def _run_system(
     """One run: images/s and data-wait seconds per step of each window (the baselines reuse one batch: no wait)."""
     if name == CLUSTERFIT:
         return run_clusterfit(config, model, workers, precision, tmp)
+    if name in config.compressed:
+        return run_clusterfit(config, model, workers, precision, tmp, {"grad_compression": config.grad_compression})
     if name == COMPUTE_ONLY:
         run = run_baseline(config, model, workers, precision, communicate=False)
     else:
@@ -529,7 +559,12 @@ def plot(report: TrainBenchReport, path: Path) -> None:
     x = list(range(len(groups)))
     systems = c.systems
     width = 0.8 / len(systems)
-    colours = {HAND_WRITTEN: "#9e9e9e", RAY_TRAIN: "#ff7f0e", CLUSTERFIT: "#1f77b4"}
+    colours = {
+        HAND_WRITTEN: "#9e9e9e",
+        RAY_TRAIN: "#ff7f0e",
+        CLUSTERFIT: "#1f77b4",
+        **dict.fromkeys(c.compressed, "#2ca02c"),
+    }
     fig, ax = plt.subplots(figsize=(max(6.0, 1.4 * len(groups) + 2), 5.0))
     offsets = [(i - (len(systems) - 1) / 2) * width for i in range(len(systems))]
     for offset, system in zip(offsets, systems, strict=True):
@@ -552,7 +587,7 @@ def plot(report: TrainBenchReport, path: Path) -> None:
     ax.set_xticks(x, [f"{m}\n{n} worker{'s' if n > 1 else ''}" for m, n in groups])
     ax.set_ylabel("images/s (median of rounds; bars: their range)")
     eff_ax = ax.twinx()
-    markers = {HAND_WRITTEN: "s--", RAY_TRAIN: "^:", CLUSTERFIT: "o-"}
+    markers = {HAND_WRITTEN: "s--", RAY_TRAIN: "^:", CLUSTERFIT: "o-", **dict.fromkeys(c.compressed, "D-.")}
     for system in systems:
         for model in c.models:
             points = [
