@@ -6,8 +6,9 @@ inside the package, so nothing is downloaded), rendered once as 32x32 RGB PNGs (
 ImageNet-layout folder with a fixed stratified 80/20 train/val split. Each configuration trains the same
 ResNet-18 with the same optimizer, schedule, epochs and global batch on 2 local ranks; what differs is the
 augmentation (`--compare augmentation`) or what DDP all-reduces (`--compare grad-compression`: fp32 gradients,
-or `trainer.grad_compression` fp16, bf16 or PowerSGD rank 1). Reported per configuration: final val top-1 per seed, the mean, and the job time at which val
-top-1 first reached --target (from summary.json's per-epoch `elapsed_s`).
+or `trainer.grad_compression` fp16, bf16, PowerSGD rank 1 or 4). Reported per configuration: final val top-1
+per seed, the mean, and the job time at which val top-1 first reached --target (from summary.json's per-epoch
+`elapsed_s`).
 
     pip install -e ".[bench]"
     python benchmarks/accuracy.py --seeds 0,1,2 --epochs 8 --target 0.9
@@ -47,7 +48,8 @@ COMPARISONS: dict[str, dict[str, dict[str, Any]]] = {
         "fp32 gradients (no compression)": {},
         "fp16 gradients": {"grad_compression": "fp16"},
         "bf16 gradients": {"grad_compression": "bf16"},
-        "PowerSGD rank 1": {"grad_compression": "powersgd"},
+        "PowerSGD rank 1": {"grad_compression": "powersgd", "powersgd_rank": 1},
+        "PowerSGD rank 4 (the default)": {"grad_compression": "powersgd"},
     },
 }
 

@@ -65,6 +65,7 @@ BAD_SPECS = [
         "trainer.strategy_options.stages: unknown key; this section takes no keys here",
     ),
     ("trainer.grad_compression", "powersgd", None),  # valid with the default ddp
+    ("trainer.powersgd_rank", 0, "trainer.powersgd_rank = 0: Input should be greater than or equal to 1"),
     ("trainer.data.train_crop_size", 8, "trainer.data.train_crop_size = 8: Input should be greater than or equal"),
     (
         "trainer.data.val_resize_size",
@@ -99,6 +100,10 @@ STRATEGY_MISTAKES = [
     ),
     ({"strategy": "fsdp", "grad_compression": "fp16"}, "grad_compression 'fp16' works with strategy ddp only"),
     (
+        {"grad_compression": "fp16", "powersgd_rank": 2},
+        "powersgd_rank 2 applies to grad_compression powersgd only, not 'fp16'; remove powersgd_rank or set",
+    ),
+    (
         {"strategy": "fsdp", "strategy_options": {"sync_every": 2}},
         "trainer.strategy_options.sync_every: unknown key; allowed keys here: reshard_after_forward",
     ),
@@ -132,6 +137,14 @@ def test_strategy_options_round_trip_through_the_resolved_spec(tmp_path: Path) -
     dumped = validate_spec(raw).model_dump(mode="json")
     assert dumped["trainer"]["strategy_options"] == {"stages": 2, "microbatches": 4, "schedule": "1f1b"}
     assert validate_spec(dumped).trainer.strategy_options.schedule == "1f1b"
+
+
+@pytest.mark.parametrize("compression", [{"grad_compression": "fp16"}, {"grad_compression": "powersgd"}])
+def test_gradient_compression_round_trips_through_the_resolved_spec(tmp_path: Path, compression: dict) -> None:
+    # The launcher writes the resolved spec, defaults included, and every rank reads it back.
+    dumped = validate_spec(tiny_job(tmp_path / "out", **compression)).model_dump(mode="json")
+    trainer = validate_spec(dumped).trainer
+    assert trainer.grad_compression == compression["grad_compression"] and trainer.resolved_powersgd_rank() == 4
 
 
 def test_val_equal_to_train_is_refused(tmp_path: Path, tiny_imagefolder: Path) -> None:

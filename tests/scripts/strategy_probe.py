@@ -75,7 +75,7 @@ def check_compression() -> None:
             sys.exit(f"{kind} compression: relative weight error {error:.2e} >= {tolerance}")
         if dist.get_rank() == 0:
             print(f"{kind}: relative weight error {error:.2e}")
-    powersgd = train(TrainerSpec(grad_compression="powersgd"), steps=14)  # exact for 10 steps, then rank 1
+    powersgd = train(TrainerSpec(grad_compression="powersgd"), steps=14)  # exact for 10 steps, then rank 4
     if not torch.isfinite(powersgd).all():
         sys.exit("powersgd produced non-finite weights")
 

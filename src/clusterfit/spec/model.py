@@ -174,6 +174,9 @@ StrategyOptions = Annotated[
 
 
 SMALL_IMAGE_PX = 64  # at or below: the `auto` augmentation preset is `small`
+# Rank 1 (PyTorch's example) lost about 30 points of val top-1 in an 8-epoch job where rank 4 lost about 1
+# (benchmarks/RESULTS.md, accuracy with gradient compression).
+DEFAULT_POWERSGD_RANK = 4
 
 
 class AugmentSpec(_Strict):
@@ -305,6 +308,13 @@ class TrainerSpec(_Strict):
     strategy: Literal["ddp", "fsdp", "pipeline", "localsgd"] = "ddp"
     strategy_options: StrategyOptions = DdpOptions()
     grad_compression: Literal["none", "bf16", "fp16", "powersgd"] = "none"
+    powersgd_rank: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description=f"grad_compression: powersgd: the rank of each gradient's approximation (null: "
+        f"{DEFAULT_POWERSGD_RANK}); lower sends less and loses more accuracy (benchmarks/RESULTS.md)",
+    )
     export_weights: Literal["last", "best"] = Field(
         "last", description="export the weights of the last step, or those of the best validation (best_metric)"
     )
@@ -350,6 +360,9 @@ class TrainerSpec(_Strict):
         if problem:
             raise ValueError(problem)
         return name
+
+    def resolved_powersgd_rank(self) -> int:
+        return self.powersgd_rank or DEFAULT_POWERSGD_RANK
 
     def resolved_augment(self) -> ResolvedAugment:
         """The training transform's settings, `auto` decided by the training crop's side."""
@@ -416,6 +429,11 @@ class TrainerSpec(_Strict):
             raise ValueError(
                 f"grad_compression {self.grad_compression!r} works with strategy ddp only, not {self.strategy!r}; "
                 "set grad_compression: none"
+            )
+        if self.powersgd_rank is not None and self.grad_compression != "powersgd":
+            raise ValueError(
+                f"powersgd_rank {self.powersgd_rank} applies to grad_compression powersgd only, not "
+                f"{self.grad_compression!r}; remove powersgd_rank or set grad_compression: powersgd"
             )
         options = self.strategy_options
         if isinstance(options, PipelineOptions):

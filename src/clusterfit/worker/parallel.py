@@ -117,7 +117,7 @@ class DataParallel:
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
         self.forward_module = ddp
         if spec.grad_compression != "none":
-            _register_compression(ddp, spec.grad_compression)
+            _register_compression(ddp, spec.grad_compression, spec.resolved_powersgd_rank())
         options = spec.strategy_options
         if isinstance(options, LocalSgdOptions):
             from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
@@ -350,7 +350,7 @@ def _forward_backward(
     return loss.detach()
 
 
-def _register_compression(ddp: DistributedDataParallel, kind: str) -> None:
+def _register_compression(ddp: DistributedDataParallel, kind: str, powersgd_rank: int) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     if kind == "bf16":
@@ -358,8 +358,10 @@ def _register_compression(ddp: DistributedDataParallel, kind: str) -> None:
     elif kind == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     else:
-        # Rank-1 approximation after 10 exact steps, with error feedback (the PowerSGD paper's defaults).
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=10)
+        # Exact all-reduces for 10 steps, then each gradient's rank-k approximation, with error feedback.
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=powersgd_rank, start_powerSGD_iter=10
+        )
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
