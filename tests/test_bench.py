@@ -178,7 +178,7 @@ def test_bench_train_measures_gradient_compression_as_a_system_of_its_own() -> N
         (["--steps", "30", "--window", "4"], "error: --window 4: must divide --steps 30 and --warmup 5"),
         (["--window", "0"], "error: --window 0: must divide --steps 30 and --warmup 5"),
         (["--rounds", "0"], "error: --rounds 0: run every system at least once per cell"),
-        (["--grad-compression", "int8"], "error: --grad-compression int8: choose none, fp16, bf16, powersgd"),
+        (["--grad-compression", "int8"], "error: --grad-compression int8: choose none, bf16, fp16, powersgd"),
         (
             ["--workers", "1,64", "--cores-per-rank", "1"],
             "error: --cores-per-rank 1: 64 worker(s) x 1 core(s) must fit",

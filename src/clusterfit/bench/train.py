@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import get_args
 
 import yaml
 
@@ -53,14 +54,15 @@ from clusterfit.bench.machine import bench_precision, cpu_model
 from clusterfit.outputs import JobOutputs, RecordKind, read_records
 from clusterfit.plots import pyplot
 from clusterfit.spec.errors import SpecError
-from clusterfit.spec.model import MODEL_NAMES
+from clusterfit.spec.model import MODEL_NAMES, TrainerSpec
 
 # Run as modules of the installed package (`python -m`), from any working directory.
 BASELINE_MODULE = "clusterfit.bench.baselines.ddp_loop"
 RAY_MODULE = "clusterfit.bench.baselines.ray_loop"
 HAND_WRITTEN, RAY_TRAIN, CLUSTERFIT = "hand-written DDP", "Ray Train", "clusterfit"
 SYSTEMS = (HAND_WRITTEN, RAY_TRAIN, CLUSTERFIT)
-GRAD_COMPRESSIONS = ("fp16", "bf16", "powersgd")  # trainer.grad_compression's values other than none
+# trainer.grad_compression's values other than none
+GRAD_COMPRESSIONS = tuple(k for k in get_args(TrainerSpec.model_fields["grad_compression"].annotation) if k != "none")
 RESULTS_JSON = "train.json"
 RESULTS_PNG = "train.png"
 NUM_CLASSES = 1000
