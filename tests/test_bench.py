@@ -137,6 +137,12 @@ def test_bench_train_rotates_the_systems_and_marks_ratios_within_noise() -> None
     assert "| resnet18 | 2 | 1 | 11.0 (10.0-12.0) | 12.5 (11.5-13.0) | 1.14x ~ |" in report.markdown()
     report.cells[1] = Cell("clusterfit", "resnet18", 2, 1, [], [12.5, 13.0, 14.0])  # all above 12
     assert "| 12.5x |" not in report.markdown() and "| 1.18x |" in report.markdown()
+    assert "Never first" not in report.markdown()  # no rounds recorded here
+    # 2 rounds for 3 runs (the loop without communication, the loop, clusterfit): clusterfit never led a round.
+    report.orders = {"resnet18/2": rotations(("compute only", "hand-written DDP", "clusterfit"), 2)}
+    assert "Never first in a round (2 round(s) of 3 runs per cell): clusterfit;" in report.markdown()
+    report.orders = {"resnet18/2": rotations(("compute only", "hand-written DDP", "clusterfit"), 3)}
+    assert "Never first" not in report.markdown()
 
 
 def test_bench_train_measures_gradient_compression_as_a_system_of_its_own() -> None:

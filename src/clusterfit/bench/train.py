@@ -230,6 +230,20 @@ class TrainBenchReport:
         """(one of ours, a baseline): the ratio columns."""
         return [(system, baseline) for system in self.config.ours for baseline in self.config.baselines]
 
+    def _never_first(self) -> list[str]:
+        """A note naming the systems no round started with (fewer rounds than systems): on a drifting machine
+        the first run of a round measured fastest, so their figures lack that advantage."""
+        rounds = [order for orders in self.orders.values() for order in orders]
+        firsts = {order[0] for order in rounds}
+        never = [system for system in self.config.systems if rounds and system not in firsts]
+        if not never:
+            return []
+        cell_rounds = max(len(orders) for orders in self.orders.values())
+        return [
+            f"Never first in a round ({cell_rounds} round(s) of {len(rounds[0])} runs per cell): "
+            f"{', '.join(never)}; on a drifting machine the first run measured fastest."
+        ]
+
     def fill_scaling(self) -> None:
         for c in self.cells:
             own, reference = self._find(c.system, c.model, 1), self._find(HAND_WRITTEN, c.model, 1)
@@ -286,6 +300,7 @@ class TrainBenchReport:
         lines += [
             "",
             "~: the two systems' round ranges overlap, so the difference is within this machine's noise.",
+            *self._never_first(),
             *(
                 [
                     "On 1 worker clusterfit trains without a DDP wrapper (nothing to all-reduce, so nothing to"
