@@ -78,6 +78,9 @@ def check_compression() -> None:
     powersgd = train(TrainerSpec(grad_compression="powersgd"), steps=14)  # exact for 10 steps, then rank 4
     if not torch.isfinite(powersgd).all():
         sys.exit("powersgd produced non-finite weights")
+    # Repeatable first (PowerSGD seeds its own random matrices), so that a difference below is the rank's.
+    if not torch.equal(train(TrainerSpec(grad_compression="powersgd"), steps=14), powersgd):
+        sys.exit("powersgd trained other weights when run again: the rank comparison below would prove nothing")
     rank_one = train(TrainerSpec(grad_compression="powersgd", powersgd_rank=1), steps=14)
     if torch.equal(rank_one, powersgd):
         sys.exit("powersgd_rank 1 trained the same weights as rank 4: the setting never reached the hook")
