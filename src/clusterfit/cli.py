@@ -496,14 +496,23 @@ def plan(
         Optional[float],  # noqa: UP045 - typer needs Optional here
         typer.Option(min=0.001, help="One device's measured training rate; replaces the FLOP estimate."),
     ] = None,
+    host_cores: Annotated[
+        Optional[int],  # noqa: UP045 - typer needs Optional here
+        typer.Option(min=1, help="CPU cores per node that decode the images (default: the device's DGX host)."),
+    ] = None,
+    decode_per_core: Annotated[
+        Optional[float],  # noqa: UP045 - typer needs Optional here
+        typer.Option(min=0.001, help="Images/s one host core prepares (`clusterfit bench data` measures it)."),
+    ] = None,
     overrides: SetOption = None,
 ) -> None:
-    """Predict how a trainer job scales before the hardware exists: images/s, the step split into compute and
-    exposed all-reduce, and the scaling efficiency from 1 device to NODES x GPUS_PER_NODE, with what would help."""
+    """Predict how a trainer job scales before the hardware exists: images/s, the step split into compute,
+    exposed all-reduce and input pipeline, and the scaling efficiency from 1 device to NODES x GPUS_PER_NODE,
+    with what would help."""
     from clusterfit.plan.planner import markdown, plan_job
 
-    spec = _load(spec_file, overrides)
     try:
+        spec = load_spec(spec_file, overrides)  # not preflighted: the plan needs neither the data nor the outputs
         result = plan_job(
             spec,
             device=device,
@@ -512,6 +521,8 @@ def plan(
             interconnect=interconnect,
             nics_per_node=nics_per_node,
             images_per_s=images_per_s,
+            host_cores=host_cores,
+            decode_per_core=decode_per_core,
         )
     except ClusterfitError as exc:
         raise _fail(str(exc)) from None

@@ -3,8 +3,11 @@ device's rate, the gradient all-reduce from its bytes and the slowest link it cr
 and the part of that all-reduce that backward does not hide (DDP's bucketed overlap). No torch, no I/O, so
 every formula is tested on its own and the planner's table is reproducible from its inputs.
 
-Step time on n devices = compute + exposed all-reduce; efficiency = 1-device step / n-device step (weak
-scaling, a fixed batch per device), the figure published for NVIDIA's and Horovod's multi-GPU results."""
+The host's cores decode and augment the images in loader workers that run ahead of the devices, so the input
+pipeline only shows when a node's devices consume images faster than its cores prepare them: step time on n
+devices = the longer of (compute + exposed all-reduce) and (the node's share of images / its cores' rate);
+efficiency = 1-device step / n-device step (weak scaling, a fixed batch per device), the figure published for
+NVIDIA's and Horovod's multi-GPU results."""
 
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ class Workload:
     batch_per_device: int
     device_flop_per_s: float  # the rate one device reaches on this model (peak x utilization, or measured)
     bucket_bytes: float = DDP_BUCKET_BYTES
+    # What one node's host cores decode and augment per second for all of its devices; None for synthetic
+    # data, which has nothing to prepare.
+    node_images_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -39,13 +45,18 @@ class StepSplit:
     compute_s: float
     allreduce_s: float  # the whole all-reduce, as if nothing overlapped it
     exposed_s: float  # what backward does not hide
+    data_s: float  # the host preparing this step's images for the node's devices, ahead of them
     images_per_s: float  # all devices together
     efficiency: float  # images/s / (devices x one device's images/s)
     efficiency_without_overlap: float  # the bound if nothing of the all-reduce ran under backward
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.exposed_s
+        return max(self.compute_s + self.exposed_s, self.data_s)
+
+    @property
+    def data_bound(self) -> bool:
+        return self.data_s > self.compute_s + self.exposed_s
 
 
 def ring_allreduce_s(nbytes: float, ranks: int, link: Link, buckets: int = 1) -> float:
@@ -70,20 +81,31 @@ def exposed_allreduce_s(allreduce_s: float, backward_s: float, buckets: int) -> 
     return max(last_bucket, allreduce_s - backward_s)
 
 
-def step_split(work: Workload, devices: int, link: Link) -> StepSplit:
+def input_s(work: Workload, devices_on_node: int) -> float:
+    """The node's cores preparing one step's batch for each of its devices (0 for synthetic data)."""
+    if work.node_images_per_s is None:
+        return 0.0
+    return work.batch_per_device * devices_on_node / work.node_images_per_s
+
+
+def step_split(work: Workload, devices: int, link: Link, devices_per_node: int = 1) -> StepSplit:
+    """`devices` in all, `devices_per_node` of them sharing one host's cores for their input."""
     compute = work.batch_per_device * work.train_flop_per_image / work.device_flop_per_s
     buckets = buckets_of(work.gradient_bytes, work.bucket_bytes)
     allreduce = ring_allreduce_s(work.gradient_bytes, devices, link, buckets)
     exposed = exposed_allreduce_s(allreduce, BACKWARD_SHARE * compute, buckets)
-    step = compute + exposed
+    data = input_s(work, min(devices, devices_per_node))
+    one_device = max(compute, input_s(work, 1))  # the reference: one device with the whole host
+    step = max(compute + exposed, data)
     return StepSplit(
         devices=devices,
         compute_s=compute,
         allreduce_s=allreduce,
         exposed_s=exposed,
+        data_s=data,
         images_per_s=devices * work.batch_per_device / step,
-        efficiency=compute / step,
-        efficiency_without_overlap=compute / (compute + allreduce),
+        efficiency=one_device / step,
+        efficiency_without_overlap=one_device / max(compute + allreduce, data),
     )
 
 

@@ -6,7 +6,11 @@ Peak rates are the vendors' datasheet figures (dense, no sparsity). A device nev
 mixed precision, A100 938 img/s TF32 and 2470 img/s mixed precision, at 24.3 GFLOP per training image).
 Devices without such a result borrow the nearest one's, and say so. Link bandwidths are all-reduce bus
 bandwidths (what nccl-tests reports), about 90 % of a network's line rate. Pass a measured `--images-per-s`
-to replace the compute estimate altogether."""
+to replace the compute estimate altogether.
+
+The input pipeline: each GPU names the host of NVIDIA's reference system (its physical cores, which decode
+and augment the images in loader workers), and a core's rate is measured by `clusterfit bench data` here.
+Pass `--host-cores` and `--decode-per-core` for your own hosts."""
 
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ class Device:
     utilization: dict[str, float]
     intra_node: Link
     note: str
+    host: str = ""  # the reference system whose host cores prepare the images
+    host_cores: int | None = None  # its physical cores; None: no reference host, pass --host-cores
 
 
 _NVLINK_V100 = Link(name="NVLink (DGX-1, hybrid cube mesh)", bytes_per_s=130 * GB, latency_s=5e-6)
@@ -50,6 +56,8 @@ DEVICES: dict[str, Device] = {
         utilization={"fp32": 0.57, "amp": 0.23},
         intra_node=_NVLINK_V100,
         note="utilization from NVIDIA's DGX-1 ResNet-50 results",
+        host="DGX-1: 2 x 20-core Xeon E5-2698 v4",
+        host_cores=40,
     ),
     "a100": Device(
         name="NVIDIA A100 (SXM4)",
@@ -57,6 +65,8 @@ DEVICES: dict[str, Device] = {
         utilization={"fp32": 0.146, "amp": 0.19},
         intra_node=_NVSWITCH_A100,
         note="utilization from NVIDIA's DGX A100 ResNet-50 results",
+        host="DGX A100: 2 x 64-core EPYC 7742",
+        host_cores=128,
     ),
     "h100": Device(
         name="NVIDIA H100 (SXM5)",
@@ -64,12 +74,20 @@ DEVICES: dict[str, Device] = {
         utilization={"fp32": 0.146, "amp": 0.19},
         intra_node=_NVSWITCH_H100,
         note="utilization assumed equal to the A100's (no published H100 ResNet-50 result used)",
+        host="DGX H100: 2 x 56-core Xeon Platinum 8480C",
+        host_cores=112,
     ),
 }
 
 # One CPU rank: its rate is measured on this machine, not looked up (see planner.cpu_device).
 CPU_UTILIZATION = 0.40  # ResNet-50 training reached ~40 % of the fp32 matmul peak measured by `bench peak`
 CPU_INTRA_NODE = _SHARED_MEMORY
+
+# One host core's decode + RandomResizedCrop(224) + flip, images/s: `clusterfit bench data` on a 2.1 GHz Xeon
+# (benchmarks/RESULTS.md, "Data loading", the slower of two runs) on ImageNet-sized JPEGs, through clusterfit's
+# folder reader and from packed shards. Decoding costs by the source's pixels, so the crop size barely matters.
+FOLDER_IMAGES_PER_CORE = 296.0
+PACKED_IMAGES_PER_CORE = 656.0
 
 
 def _network(name: str, gbit_per_s: float, latency_s: float) -> Link:

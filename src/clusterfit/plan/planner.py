@@ -8,7 +8,16 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from clusterfit.plan.costmodel import DDP_BUCKET_BYTES, Link, StepSplit, Workload, slowest_link, step_split
-from clusterfit.plan.hardware import CPU_INTRA_NODE, CPU_UTILIZATION, DEVICES, NETWORKS, Device, with_nics
+from clusterfit.plan.hardware import (
+    CPU_INTRA_NODE,
+    CPU_UTILIZATION,
+    DEVICES,
+    FOLDER_IMAGES_PER_CORE,
+    NETWORKS,
+    PACKED_IMAGES_PER_CORE,
+    Device,
+    with_nics,
+)
 from clusterfit.plan.profile import ModelProfile
 from clusterfit.spec.errors import SpecError
 
@@ -29,6 +38,15 @@ class Hardware:
     nodes: int
     devices_per_node: int
     network: Link
+    host_cores: int | None = None  # per node, preparing the images; None: not modelled
+
+
+@dataclass(frozen=True)
+class InputPipeline:
+    """What prepares the job's images on each node, as the plan states it."""
+
+    node_images_per_s: float | None  # None: synthetic data, nothing to prepare
+    description: str
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,7 @@ class Plan:
     work: Workload
     rows: list[tuple[int, StepSplit]]  # (nodes, split), from one device to all of them
     advice: list[str]
+    data: str  # the input pipeline, as assumed
 
 
 def device_precision(job_precision: str) -> str:
@@ -51,6 +70,7 @@ def workload(
     compression: str,
     device_flop_per_s: float,
     bucket_mb: float | None = None,
+    node_images_per_s: float | None = None,
 ) -> Workload:
     check_modelled(strategy, compression)
     return Workload(
@@ -59,6 +79,7 @@ def workload(
         batch_per_device=batch,
         device_flop_per_s=device_flop_per_s,
         bucket_bytes=bucket_mb * 2**20 if bucket_mb else DDP_BUCKET_BYTES,
+        node_images_per_s=node_images_per_s,
     )
 
 
@@ -73,7 +94,10 @@ def check_modelled(strategy: str, compression: str) -> None:
         )
 
 
-def gpu_hardware(device: str, precision: str, nodes: int, per_node: int, network: str, nics: int) -> Hardware:
+def gpu_hardware(
+    device: str, precision: str, nodes: int, per_node: int, network: str, nics: int, host_cores: int | None = None
+) -> Hardware:
+    """`host_cores` per node; None: the reference system's (a DGX's) where the device table names one."""
     if device not in DEVICES:
         raise SpecError(f"--device {device}: unknown; choose one of {', '.join([*DEVICES, 'cpu'])}")
     return Hardware(
@@ -82,7 +106,25 @@ def gpu_hardware(device: str, precision: str, nodes: int, per_node: int, network
         nodes=nodes,
         devices_per_node=per_node,
         network=network_link(network, nics),
+        host_cores=host_cores or DEVICES[device].host_cores,
     )
+
+
+def input_pipeline(synthetic: bool, hardware: Hardware, per_core: float | None) -> InputPipeline:
+    """The node's images/s: its host cores x one core's decode + augment rate (`--decode-per-core`, or clusterfit's
+    folder reader as measured here)."""
+    if synthetic:
+        return InputPipeline(None, "synthetic, nothing to decode")
+    cores = hardware.host_cores
+    if cores is None:
+        return InputPipeline(None, f"not modelled: pass --host-cores for the hosts of {hardware.device.name}")
+    rate = per_core or FOLDER_IMAGES_PER_CORE
+    measured = "--decode-per-core" if per_core else "clusterfit's folder reader, measured on a 2.1 GHz Xeon"
+    if hardware.device.host and cores == hardware.device.host_cores:
+        cores_of = f"{cores} host cores ({hardware.device.host})"
+    else:
+        cores_of = f"{cores} host cores"
+    return InputPipeline(cores * rate, f"{cores_of} x {rate:,.0f} images/s each ({measured}) = {cores * rate:,.0f}/s")
 
 
 def network_link(network: str, nics: int) -> Link:
@@ -118,37 +160,60 @@ def node_counts(nodes: int) -> list[int]:
     return [*counts, nodes]
 
 
-def make_plan(profile: ModelProfile, hardware: Hardware, work: Workload) -> Plan:
+def make_plan(profile: ModelProfile, hardware: Hardware, work: Workload, data: str) -> Plan:
     intra = hardware.device.intra_node
+    per_node = hardware.devices_per_node
     rows = [(1, step_split(work, 1, intra))]
     for nodes in node_counts(hardware.nodes):
-        devices = nodes * hardware.devices_per_node
+        devices = nodes * per_node
         if devices > 1:
-            rows.append((nodes, step_split(work, devices, slowest_link(nodes, intra, hardware.network))))
-    return Plan(profile, hardware, work, rows, advice(work, hardware, rows[-1]))
+            rows.append((nodes, step_split(work, devices, slowest_link(nodes, intra, hardware.network), per_node)))
+    return Plan(profile, hardware, work, rows, advice(work, hardware, rows[-1]), data)
 
 
 def advice(work: Workload, hardware: Hardware, last: tuple[int, StepSplit]) -> list[str]:
     """What would lift the largest configuration's efficiency, each option's effect computed, not guessed."""
     nodes, split = last
     if split.efficiency >= GOOD_EFFICIENCY:
-        return [f"{split.efficiency:.0%} efficient on {split.devices} devices: communication is not the limit"]
-    link = slowest_link(nodes, hardware.device.intra_node, hardware.network)
-    lines = [
-        f"{split.efficiency:.0%} efficient on {split.devices} devices: {split.exposed_s * 1e3:.0f} ms of each "
-        f"{split.step_s * 1e3:.0f} ms step is all-reduce over {link.name} that backward does not hide"
-    ]
-    bigger = step_split(replace(work, batch_per_device=2 * work.batch_per_device), split.devices, link)
-    lines.append(f"twice the batch per device ({2 * work.batch_per_device}): {bigger.efficiency:.0%}")
-    halved = step_split(replace(work, gradient_bytes=work.gradient_bytes / 2), split.devices, link)
-    lines.append(f"bf16 gradient compression (trainer.grad_compression: bf16): {halved.efficiency:.0%}")
+        return [
+            f"{split.efficiency:.0%} efficient on {split.devices} devices: neither communication nor the input "
+            "pipeline is the limit"
+        ]
     per_node = hardware.devices_per_node
+    link = slowest_link(nodes, hardware.device.intra_node, hardware.network)
+
+    def efficiency(changed: Workload, link: Link = link) -> str:
+        return f"{step_split(changed, split.devices, link, per_node).efficiency:.0%}"
+
+    if split.data_bound:
+        consumed = min(split.devices, per_node) * work.batch_per_device / (split.compute_s + split.exposed_s)
+        node_rate = work.node_images_per_s or 0.0
+        lines = [
+            f"{split.efficiency:.0%} efficient on {split.devices} devices: the input pipeline is the limit; a node's "
+            f"host cores prepare {node_rate:,.0f} images/s where its devices would take {consumed:,.0f}",
+            f"packed shards (`clusterfit data pack`, {PACKED_IMAGES_PER_CORE / FOLDER_IMAGES_PER_CORE:.1f}x the "
+            f"images per core of files, measured here): "
+            + efficiency(replace(work, node_images_per_s=node_rate * PACKED_IMAGES_PER_CORE / FOLDER_IMAGES_PER_CORE)),
+            f"twice the host cores per node: {efficiency(replace(work, node_images_per_s=2 * node_rate))}",
+        ]
+    else:
+        lines = [
+            f"{split.efficiency:.0%} efficient on {split.devices} devices: {split.exposed_s * 1e3:.0f} ms of each "
+            f"{split.step_s * 1e3:.0f} ms step is all-reduce over {link.name} that backward does not hide"
+        ]
+    lines.append(
+        f"twice the batch per device ({2 * work.batch_per_device}): "
+        + efficiency(replace(work, batch_per_device=2 * work.batch_per_device))
+    )
+    lines.append(
+        "bf16 gradient compression (trainer.grad_compression: bf16): "
+        + efficiency(replace(work, gradient_bytes=work.gradient_bytes / 2))
+    )
     if nodes > 1:
-        fewer = step_split(work, split.devices, with_nics(hardware.network, 2))
-        lines.append(f"twice the network bandwidth per node: {fewer.efficiency:.0%}")
+        lines.append(f"twice the network bandwidth per node: {efficiency(work, with_nics(hardware.network, 2))}")
         lines.append(
             f"scale up before scaling out: {per_node} devices on one node run at "
-            f"{step_split(work, per_node, hardware.device.intra_node).efficiency:.0%}"
+            f"{step_split(work, per_node, hardware.device.intra_node, per_node).efficiency:.0%}"
         )
     return lines
 
@@ -161,16 +226,17 @@ def markdown(plan: Plan) -> str:
         f"device: {hw.device.name}, {hw.precision}: {work.device_flop_per_s / 1e12:.1f} TFLOP/s reached "
         f"({hw.device.note}); batch {work.batch_per_device} per device",
         f"links: {hw.device.intra_node.name} in a node, {hw.network.name} between nodes",
+        f"input pipeline per node: {plan.data}",
         "",
-        "| nodes | devices | images/s | per device | step ms | compute ms | all-reduce ms | exposed ms | efficiency "
-        "| without overlap |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| nodes | devices | images/s | per device | step ms | compute ms | all-reduce ms | exposed ms | data ms "
+        "| efficiency | without overlap |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for nodes, s in plan.rows:
         head.append(
             f"| {nodes} | {s.devices} | {s.images_per_s:,.0f} | {s.images_per_s / s.devices:,.0f} | "
             f"{s.step_s * 1e3:.1f} | {s.compute_s * 1e3:.1f} | {s.allreduce_s * 1e3:.1f} | {s.exposed_s * 1e3:.1f} | "
-            f"{s.efficiency:.0%} | {s.efficiency_without_overlap:.0%} |"
+            f"{s.data_s * 1e3:.1f} | {s.efficiency:.0%} | {s.efficiency_without_overlap:.0%} |"
         )
     return "\n".join([*head, "", *plan.advice])
 
@@ -184,6 +250,8 @@ def plan_job(
     interconnect: str,
     nics_per_node: int = 1,
     images_per_s: float | None = None,
+    host_cores: int | None = None,
+    decode_per_core: float | None = None,
 ) -> Plan:
     """The plan of a trainer job's spec on `nodes` x `devices_per_node` devices of kind `device`."""
     from clusterfit.plan.profile import profile_model
@@ -193,15 +261,30 @@ def plan_job(
     trainer = spec.trainer
     check_modelled(trainer.strategy, trainer.grad_compression)  # before the slower profile and peak
     if device == "cpu":
+        if host_cores is not None or decode_per_core is not None:
+            raise SpecError(
+                "--host-cores/--decode-per-core: CPU ranks decode on the cores they train on, which their "
+                "measured rate already pays; drop these options with --device cpu"
+            )
         hardware = _cpu_hardware(trainer.precision, nodes, devices_per_node, interconnect, nics_per_node)
+        data = InputPipeline(None, "on the ranks' own cores, not modelled apart")
     else:
-        hardware = gpu_hardware(device, trainer.precision, nodes, devices_per_node, interconnect, nics_per_node)
+        hardware = gpu_hardware(
+            device, trainer.precision, nodes, devices_per_node, interconnect, nics_per_node, host_cores
+        )
+        data = input_pipeline(trainer.data.is_synthetic, hardware, decode_per_core)
     profile = profile_model(trainer.model, trainer.data.train_crop, trainer.data.num_classes or 1000)
     rate = device_rate(hardware, profile, images_per_s)
     work = workload(
-        profile, trainer.batch_size, trainer.strategy, trainer.grad_compression, rate, trainer.ddp_bucket_cap_mb
+        profile,
+        trainer.batch_size,
+        trainer.strategy,
+        trainer.grad_compression,
+        rate,
+        trainer.ddp_bucket_cap_mb,
+        data.node_images_per_s,
     )
-    return make_plan(profile, hardware, work)
+    return make_plan(profile, hardware, work, data.description)
 
 
 def _cpu_hardware(precision: str, nodes: int, per_node: int, interconnect: str, nics: int) -> Hardware:
