@@ -103,7 +103,7 @@ def test_plan_says_when_the_hosts_cores_cannot_feed_the_devices() -> None:
     assert float(one[8]) == pytest.approx(64 / 4000 * 1e3, abs=0.05)  # data ms: the whole host for one device
     assert float(node[8]) == pytest.approx(8 * 64 / 4000 * 1e3, abs=0.05) == float(node[4])  # the step waits
     assert "the input pipeline is the limit; a node's host cores prepare 4,000 images/s" in result.stdout
-    assert "packed shards (`clusterfit data pack`, 2.2x the images per core of files" in result.stdout
+    assert "if the job reads image files, packed shards (`clusterfit data pack`, 2.2x the images" in result.stdout
     dgx1 = input_pipeline(False, gpu_hardware("v100", "bf16", 1, 8, "infiniband-edr", 1), None)  # the defaults
     assert dgx1.node_images_per_s == 40 * FOLDER_IMAGES_PER_CORE
     assert dgx1.description.startswith("40 host cores (DGX-1: 2 x 20-core Xeon E5-2698 v4) x 296 images/s each")

@@ -45,7 +45,7 @@ class Hardware:
 class InputPipeline:
     """What prepares the job's images on each node, as the plan states it."""
 
-    node_images_per_s: float | None  # None: synthetic data, nothing to prepare
+    node_images_per_s: float | None  # None: not modelled (synthetic data, or no host cores known)
     description: str
 
 
@@ -56,7 +56,7 @@ class Plan:
     work: Workload
     rows: list[tuple[int, StepSplit]]  # (nodes, split), from one device to all of them
     advice: list[str]
-    data: str  # the input pipeline, as assumed
+    data: str  # the input pipeline's description, as assumed
 
 
 def device_precision(job_precision: str) -> str:
@@ -191,8 +191,8 @@ def advice(work: Workload, hardware: Hardware, last: tuple[int, StepSplit]) -> l
         lines = [
             f"{split.efficiency:.0%} efficient on {split.devices} devices: the input pipeline is the limit; a node's "
             f"host cores prepare {node_rate:,.0f} images/s where its devices would take {consumed:,.0f}",
-            f"packed shards (`clusterfit data pack`, {PACKED_IMAGES_PER_CORE / FOLDER_IMAGES_PER_CORE:.1f}x the "
-            f"images per core of files, measured here): "
+            f"if the job reads image files, packed shards (`clusterfit data pack`, "
+            f"{PACKED_IMAGES_PER_CORE / FOLDER_IMAGES_PER_CORE:.1f}x the images per core, measured here): "
             + efficiency(replace(work, node_images_per_s=node_rate * PACKED_IMAGES_PER_CORE / FOLDER_IMAGES_PER_CORE)),
             f"twice the host cores per node: {efficiency(replace(work, node_images_per_s=2 * node_rate))}",
         ]
