@@ -34,8 +34,8 @@ class Workload:
     batch_per_device: int
     device_flop_per_s: float  # the rate one device reaches on this model (peak x utilization, or measured)
     bucket_bytes: float = DDP_BUCKET_BYTES
-    # What one node's host cores decode and augment per second for all of its devices; None for synthetic
-    # data, which has nothing to prepare.
+    # What one node's host cores decode and augment per second for all of its devices; None: not modelled
+    # (synthetic data has nothing to prepare).
     node_images_per_s: float | None = None
 
 

@@ -8,9 +8,9 @@ Devices without such a result borrow the nearest one's, and say so. Link bandwid
 bandwidths (what nccl-tests reports), about 90 % of a network's line rate. Pass a measured `--images-per-s`
 to replace the compute estimate altogether.
 
-The input pipeline: each GPU names the host of NVIDIA's reference system (its physical cores, which decode
-and augment the images in loader workers), and a core's rate is measured by `clusterfit bench data` here.
-Pass `--host-cores` and `--decode-per-core` for your own hosts."""
+The input pipeline: the V100, A100 and H100 name the host of NVIDIA's DGX system built on them (its physical
+cores, which decode and augment the images in loader workers), and a core's rate is measured by `clusterfit
+bench data` here. Pass `--host-cores` and `--decode-per-core` for your own hosts (the P100 has no default)."""
 
 from __future__ import annotations
 
