@@ -44,6 +44,7 @@ from clusterfit.storage.filesystems import (
     open_filesystem,
     public,
     storage_error,
+    whole_file_reader,
 )
 
 MANIFEST = "manifest.json"
@@ -136,17 +137,20 @@ def _stage_locked(
         todo.append((rel, size))
     expected = _expected_sha256(fs, folder, listing, data, creds)
     lock = threading.Lock()
+    # NOTE: the paths of the files in strings: a Path for each, on the event loop's thread, cost 1-2 % of its CPU.
+    into = str(data)
 
     def finished(rel: str, digest: str, fresh: int, journal_file: IO[str]) -> None:
+        local = f"{into}/{rel}"
         want = expected.get(rel)
         if want and digest != want:
-            _part(data / rel).unlink(missing_ok=True)
+            Path(_part(local)).unlink(missing_ok=True)
             raise StagingError(
                 f"{url}/{rel}: sha256 {digest[:12]}… differs from the index's {want[:12]}…; "
                 "the source changed or is corrupt; pack it again",
                 retryable=False,
             )
-        os.replace(_part(data / rel), data / rel)
+        os.replace(_part(local), local)
         with lock:
             report.copied_files += 1
             report.copied_bytes += fresh
@@ -156,8 +160,8 @@ def _stage_locked(
             on_file(rel)
 
     size_of = dict(todo)
-    for parent in {(data / rel).parent for rel in size_of}:  # once per folder, not once per file
-        parent.mkdir(parents=True, exist_ok=True)
+    for parent in {rel.rpartition("/")[0] for rel in size_of}:  # once per folder, not once per file
+        (data / parent).mkdir(parents=True, exist_ok=True)
     # Small files of an asynchronous store (az://, s3://, gs://) come whole, many requests in flight on the
     # store's own event loop; larger ones, and any store without one, stream in ranged reads that can resume.
     whole: list[tuple[str, int]] = []
@@ -170,7 +174,7 @@ def _stage_locked(
         def keep(rel: str, body: bytes) -> None:
             if len(body) != size_of[rel]:
                 _changed_while_copied(url, f"{folder}/{rel}", len(body), size_of[rel])
-            finished(rel, _write_part(data / rel, body), len(body), journal_file)
+            finished(rel, _write_part(f"{into}/{rel}", body), len(body), journal_file)
 
         _fetch_concurrently(fs, folder, whole, workers, url, creds, keep)
 
@@ -226,7 +230,7 @@ def _expected_sha256(fs: Any, root: str, listing: dict[str, int], data: Path, cr
 
 def _copy_one(fs: Any, remote: str, local: Path, size: int, url: str, creds: Credentials) -> tuple[str, int]:
     """Copy into local.part, continuing a partial copy; returns (sha256 of the whole file, bytes fetched now)."""
-    part = _part(local)
+    part = Path(_part(local))
     have = part.stat().st_size if part.exists() else 0
     if have > size:
         part.unlink()
@@ -293,6 +297,8 @@ def _fetch_concurrently(
         return
     from fsspec.asyn import sync
 
+    read = whole_file_reader(fs, folder)
+
     async def fetch_all(writers: ThreadPoolExecutor) -> None:
         pending = iter(items)
         loop = asyncio.get_running_loop()
@@ -304,8 +310,7 @@ def _fetch_concurrently(
                 try:
                     # At most a byte more than listed: an object that grew since is caught, not held whole (an
                     # empty one is read plainly: stores refuse a range of an empty object).
-                    end = size + 1 if size else None
-                    body = await fs._cat_file(f"{folder}/{rel}", start=0 if size else None, end=end)
+                    body = await read(rel, size + 1 if size else None)
                 except Exception as exc:  # noqa: BLE001 - connection errors of every backend
                     raise _copy_stopped(url, rel, exc, creds) from None
                 if slow_writes >= _SLOW_WRITES_IN_A_ROW:
@@ -327,9 +332,16 @@ def _fetch_concurrently(
         sync(fs.loop, fetch_all, writers)
 
 
-def _write_part(local: Path, body: bytes) -> str:
-    """`body` as local's .part file; its sha256."""
-    _part(local).write_bytes(body)
+def _write_part(local: str, body: bytes) -> str:
+    """`body` as local's .part file; its sha256. Written by the descriptor: a buffered file object for each file
+    cost 1-2 % of the event loop thread's CPU (benchmarks/RESULTS.md)."""
+    part = os.open(_part(local), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        unwritten = memoryview(body)
+        while unwritten:
+            unwritten = unwritten[os.write(part, unwritten) :]
+    finally:
+        os.close(part)
     return hashlib.sha256(body).hexdigest()
 
 
@@ -345,8 +357,8 @@ def _verify_all(data: Path, files: dict[str, dict[str, Any]], workers: int) -> s
         return {rel for rel in pool.map(bad, files.items()) if rel}
 
 
-def _part(path: Path) -> Path:
-    return path.with_name(path.name + ".part")
+def _part(path: str | Path) -> str:
+    return f"{path}.part"
 
 
 def _total(manifest: dict[str, Any]) -> int:
