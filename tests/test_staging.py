@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -9,14 +10,17 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
 from azurite import ACCOUNT, KEY, Azurite, silent_store
 from conftest import cli_command, one_image_per_class, tiny_job, write_job
+from fsspec.asyn import sync
 from safetensors.torch import save_file
 from services import skip_reason
 from torch.utils.data import DataLoader
@@ -37,7 +41,7 @@ from clusterfit.data.staging import (
 from clusterfit.data.transforms import TrainCrop
 from clusterfit.models import build_model
 from clusterfit.spec.model import StorageSpec
-from clusterfit.storage.filesystems import list_files
+from clusterfit.storage.filesystems import list_file_pages, list_files
 
 CONTAINER = "data"
 
@@ -101,6 +105,14 @@ def test_the_azure_listing_reads_what_adlfs_finds_in_pages(azurite: Azurite) -> 
     assert list_files(fs, root, page_size=2) == expected
     assert list_files(fs, f"{root}/c.jpg") == {f"{CONTAINER}/listed/c.jpg": 4}
     assert list_files(fs, f"{root}/nothing") == {}
+
+    async def pages(path: str) -> list[dict[str, int]]:  # a first request of one name, then two a request
+        return [page async for page in list_file_pages(fs, path, first_page_size=1, page_size=2)]
+
+    # listed-not/x.jpg (another folder) | listed/a (a marker) a/1.jpg | a/2.jpg b/3.jpg | c.jpg d (a marker) | e/
+    assert [len(page) for page in sync(fs.loop, pages, root)] == [0, 1, 2, 1, 0]
+    assert {path: size for page in sync(fs.loop, pages, root) for path, size in page.items()} == expected
+    assert sync(fs.loop, pages, f"{root}/c.jpg") == [{f"{CONTAINER}/listed/c.jpg": 4}]
 
 
 def test_stage_an_imagenet_tree_then_reuse_and_repair(azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path) -> None:
@@ -201,6 +213,39 @@ def test_small_files_in_one_request_each_and_a_large_one_streamed(
     assert {rel: entry["sha256"] for rel, entry in manifest.items()} == {
         rel: hashlib.sha256(body).hexdigest() for rel, body in files.items()
     }
+
+
+def test_copying_starts_after_the_listings_first_request(
+    azurite: Azurite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files are fetched while the rest of the folder is listed: here the listing's second request waits until a
+    file of the first (two names) is in the cache, and would wait in vain if the copy started after the listing."""
+    source = tmp_path / "paged"
+    for index in range(12):
+        (source / f"c{index % 3}").mkdir(parents=True, exist_ok=True)
+        (source / f"c{index % 3}" / f"{index:02d}.jpg").write_bytes(os.urandom(500 + index))
+    files = _upload(azurite, source, "paged")
+    monkeypatch.setattr(staging, "FIRST_PAGE_SIZE", 2)
+    events: list[str] = []
+    copied = threading.Event()
+
+    async def watched_pages(fs: Any, root: str, **sizes: int | None) -> AsyncIterator[dict[str, int]]:
+        async for page in list_file_pages(fs, root, **sizes):
+            if events:  # not the first page
+                assert await asyncio.to_thread(copied.wait, 10), "no file was copied before the second request"
+            events.append(f"page of {len(page)}")
+            yield page
+
+    def arrived(rel: str) -> None:
+        events.append("file")
+        copied.set()
+
+    monkeypatch.setattr(staging, "list_file_pages", watched_pages)
+    report = _stage_in_process(azurite, f"az://{CONTAINER}/paged", tmp_path / "cache", workers=4, on_file=arrived)
+    assert report.copied_files == len(files) == 12
+    assert events[:2] == ["page of 2", "file"] and events.count("page of 10") == 1
+    local = report.local
+    assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()} == files
 
 
 def test_an_object_gone_mid_copy_is_one_line_and_the_finished_files_stay(azurite: Azurite, tmp_path: Path) -> None:

@@ -4,11 +4,13 @@
 
 - one process per node does the copying: the others block on a file lock, then find it done;
 - files are copied in parallel: from a store with an event loop (az://, s3://, gs://), a file of up to
-  `WHOLE_FILE_MAX` in one GET, `workers` in flight (so at most that many held in memory); any other in
-  ranged reads on `workers` threads. Each is written to `NAME.part`, checked (size from the listing; sha256
-  against the packed-dataset index for shards) and renamed; a journal records every finished file, so an
+  `WHOLE_FILE_MAX` in one GET, `workers` in flight (so at most that many held in memory), from the moment the
+  listing's first short page is answered while the rest is listed (on Azure; other stores list in one go);
+  any other file in ranged reads on `workers` threads once the listing is done. Each is written to
+  `NAME.part`, checked against the listing's size and renamed; a journal records every finished file, so an
   interrupted copy resumes where it stopped (a large file's `.part` continues from its length by a ranged
   read; a small one is fetched again);
+- the shards of a packed dataset are checked against its index's sha256 (one that differs is removed and named);
 - `manifest.json` (size and sha256 per file) is written last; a later job reuses the copy after checking
   every file against it, and copies again what does not match.
 
@@ -23,7 +25,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,7 @@ from clusterfit.storage.filesystems import (
     cache_folder,
     credentials,
     job_credentials,
+    list_file_pages,
     list_files,
     open_filesystem,
     public,
@@ -55,6 +58,8 @@ _CHUNK = 4 << 20
 # Files up to this size are fetched in one request and held in memory until written (at most `workers` of them
 # at once); an interrupted one is fetched again, where a larger one resumes from its .part file.
 WHOLE_FILE_MAX = 4 << 20
+# Names in the listing's first request: copying starts once it is answered, and the rest is listed meanwhile.
+FIRST_PAGE_SIZE = 100
 
 
 class StagingError(StorageError):
@@ -126,57 +131,65 @@ def _stage_locked(
         journal = {rel: entry for rel, entry in old["files"].items() if rel not in bad}
         _rewrite_journal(target / JOURNAL, journal)
     fs, root = open_filesystem(url, creds)
-    folder, listing = _list(fs, root, url, creds)
     journal = _read_journal(target / JOURNAL)
-    todo = []
-    for rel, size in sorted(listing.items()):
-        done = journal.get(rel)
-        if done and done["bytes"] == size and (data / rel).is_file() and (data / rel).stat().st_size == size:
-            report.resumed_files += 1
-            continue
-        todo.append((rel, size))
-    expected = _expected_sha256(fs, folder, listing, data, creds)
     lock = threading.Lock()
     # NOTE: the paths of the files in strings: a Path for each, on the event loop's thread, cost 1-2 % of its CPU.
     into = str(data)
+    folder = root
+    listing: dict[str, int] = {}  # every listed file's path in the folder, and its size
+    streamed: list[tuple[str, int]] = []
+    made: set[str] = set()
+    whole_files = bool(getattr(fs, "async_impl", False))
+
+    def take(page: dict[str, int]) -> list[tuple[str, str, int]]:
+        """A page of the listing: notes its files, makes their folders; returns the small ones to fetch whole
+        (path, path in the folder, size) and keeps the large ones for `streamed`. Files a stopped copy journaled
+        are left as they are."""
+        nonlocal folder
+        if not listing and list(page) == [root]:  # a file's URL
+            folder = root.rsplit("/", 1)[0]
+        whole = []
+        for rel, size in sorted(_relative(page, folder, url).items()):
+            listing[rel] = size
+            done = journal.get(rel)
+            if done and done["bytes"] == size and (data / rel).is_file() and (data / rel).stat().st_size == size:
+                report.resumed_files += 1
+                continue
+            parent = rel.rpartition("/")[0]
+            if parent not in made:  # once per folder, not once per file
+                (data / parent).mkdir(parents=True, exist_ok=True)
+                made.add(parent)
+            # Small files of an asynchronous store (az://, s3://, gs://) come whole, many requests in flight on
+            # the store's own event loop; larger ones, and any store without one, stream in ranged reads that can
+            # resume.
+            if whole_files and size <= WHOLE_FILE_MAX:
+                whole.append((f"{folder}/{rel}", rel, size))
+            else:
+                streamed.append((rel, size))
+        return whole
 
     def finished(rel: str, digest: str, fresh: int, journal_file: IO[str]) -> None:
         local = f"{into}/{rel}"
-        want = expected.get(rel)
-        if want and digest != want:
-            Path(_part(local)).unlink(missing_ok=True)
-            raise StagingError(
-                f"{url}/{rel}: sha256 {digest[:12]}… differs from the index's {want[:12]}…; "
-                "the source changed or is corrupt; pack it again",
-                retryable=False,
-            )
         os.replace(_part(local), local)
         with lock:
             report.copied_files += 1
             report.copied_bytes += fresh
-            journal_file.write(json.dumps({"file": rel, "bytes": size_of[rel], "sha256": digest}) + "\n")
+            journal_file.write(json.dumps({"file": rel, "bytes": listing[rel], "sha256": digest}) + "\n")
             journal_file.flush()  # a crash loses at most the file being copied
         if on_file:
             on_file(rel)
 
-    size_of = dict(todo)
-    for parent in {rel.rpartition("/")[0] for rel in size_of}:  # once per folder, not once per file
-        (data / parent).mkdir(parents=True, exist_ok=True)
-    # Small files of an asynchronous store (az://, s3://, gs://) come whole, many requests in flight on the
-    # store's own event loop; larger ones, and any store without one, stream in ranged reads that can resume.
-    whole: list[tuple[str, int]] = []
-    streamed: list[tuple[str, int]] = []
-    for item in todo:
-        fits = getattr(fs, "async_impl", False) and item[1] <= WHOLE_FILE_MAX
-        (whole if fits else streamed).append(item)
     with open(target / JOURNAL, "a") as journal_file:
 
         def keep(rel: str, body: bytes) -> None:
-            if len(body) != size_of[rel]:
-                _changed_while_copied(url, f"{folder}/{rel}", len(body), size_of[rel])
+            if len(body) != listing[rel]:
+                _changed_while_copied(url, f"{folder}/{rel}", len(body), listing[rel])
             finished(rel, _write_part(f"{into}/{rel}", body), len(body), journal_file)
 
-        _fetch_concurrently(fs, folder, whole, workers, url, creds, keep)
+        if whole_files:
+            _fetch_concurrently(fs, _pages(fs, root, url, creds), take, workers, url, creds, keep)
+        else:
+            take(_listed(fs, root, url, creds))
 
         def stream(item: tuple[str, int]) -> None:
             digest, fresh = _copy_one(fs, f"{folder}/{item[0]}", data / item[0], item[1], url, creds)
@@ -185,7 +198,12 @@ def _stage_locked(
         with ThreadPoolExecutor(max(1, workers)) as pool:
             for _ in pool.map(stream, streamed):
                 pass
+    if not listing:
+        raise StagingError(
+            f"{url}: no files there; check the URL (a folder of <class>/<image> or a packed dataset)", retryable=False
+        )
     journal = _read_journal(target / JOURNAL)
+    _check_against_index(url, data, journal, _expected_sha256(fs, folder, listing, data, creds))
     files = {rel: journal[rel] for rel in sorted(listing)}
     if any(rel not in journal for rel in listing):  # pragma: no cover - every copy either raised or journaled
         raise StagingError(f"{url}: some files were not copied; run again to resume", retryable=True)
@@ -194,15 +212,26 @@ def _stage_locked(
     report.files, report.bytes = len(files), sum(e["bytes"] for e in files.values())
 
 
-def _list(fs: Any, root: str, url: str, creds: Credentials) -> tuple[str, dict[str, int]]:
-    """The remote folder the files are in, and each file's path below it with its size: every file under a
-    folder's URL, or the one file a file's URL names."""
+def _listed(fs: Any, root: str, url: str, creds: Credentials) -> dict[str, int]:
+    """Every file under `root` (or the one file it names) with its size, from a store without an event loop."""
     try:
-        found = list_files(fs, root)
+        return list_files(fs, root)
     except Exception as exc:  # noqa: BLE001 - every backend raises its own types; all become one line
         raise storage_error(url, exc, creds, kind=StagingError) from None
+
+
+async def _pages(fs: Any, root: str, url: str, creds: Credentials) -> AsyncIterator[dict[str, int]]:
+    """`_listed` a page at a time, on the filesystem's event loop, the first page as small as one short request."""
+    try:
+        async for page in list_file_pages(fs, root, first_page_size=FIRST_PAGE_SIZE):
+            yield page
+    except Exception as exc:  # noqa: BLE001 - every backend raises its own types; all become one line
+        raise storage_error(url, exc, creds, kind=StagingError) from None
+
+
+def _relative(found: dict[str, int], folder: str, url: str) -> dict[str, int]:
+    """Each listed file's path below `folder`, with its size; refuses one that would land outside the cache."""
     listing = {}
-    folder = root.rsplit("/", 1)[0] if list(found) == [root] else root
     for path, size in found.items():
         rel = path[len(folder) :].lstrip("/") if path.startswith(folder) else path.rsplit("/", 1)[-1]
         if not rel or rel.startswith("/") or ".." in rel.split("/"):
@@ -210,11 +239,20 @@ def _list(fs: Any, root: str, url: str, creds: Credentials) -> tuple[str, dict[s
                 f"{url}: object {path!r} would land outside the cache folder; refusing to stage it", retryable=False
             )
         listing[rel] = size
-    if not listing:
-        raise StagingError(
-            f"{url}: no files there; check the URL (a folder of <class>/<image> or a packed dataset)", retryable=False
-        )
-    return folder, listing
+    return listing
+
+
+def _check_against_index(url: str, data: Path, journal: dict[str, dict[str, Any]], expected: dict[str, str]) -> None:
+    """A copied shard whose sha256 is not the packed dataset's index's is removed and named in one line."""
+    for rel, want in sorted(expected.items()):
+        got = journal.get(rel, {}).get("sha256")
+        if got and got != want:
+            (data / rel).unlink(missing_ok=True)
+            raise StagingError(
+                f"{url}/{rel}: sha256 {got[:12]}… differs from the index's {want[:12]}…; "
+                "the source changed or is corrupt; pack it again",
+                retryable=False,
+            )
 
 
 def _expected_sha256(fs: Any, root: str, listing: dict[str, int], data: Path, creds: Credentials) -> dict[str, str]:
@@ -280,37 +318,45 @@ _SLOW_WRITES_IN_A_ROW = 3
 
 def _fetch_concurrently(
     fs: Any,
-    folder: str,
-    items: list[tuple[str, int]],
+    pages: AsyncIterator[dict[str, int]],
+    take: Callable[[dict[str, int]], list[tuple[str, str, int]]],
     concurrency: int,
     url: str,
     creds: Credentials,
     keep: Callable[[str, bytes], None],
 ) -> None:
-    """Each file in one GET, `concurrency` of them in flight on the filesystem's event loop, each given to `keep`
-    (hashing and writing) as it arrives: on the loop's thread while writes are fast, on threads once they are slow
-    (`_SLOW_WRITE_S`, several in a row). A thread per transfer through fsspec's blocking wrapper (and a HEAD
-    request per file to open it) capped small files at a third of what the store serves. Returns, or raises the
-    first error, only once no `keep` runs any more: the caller's journal and lock outlive every write into the
-    cache."""
-    if not items:
-        return
+    """The listing's `pages`, each given to `take` as the store answers; the small files `take` returns are
+    fetched while later pages are listed, each in one GET, `concurrency` of them in flight on the filesystem's
+    event loop, and given to `keep` (hashing and writing) as they arrive: on the loop's thread while writes are
+    fast, on threads once they are slow (`_SLOW_WRITE_S`, several in a row). A thread per transfer through
+    fsspec's blocking wrapper (and a HEAD request per file to open it) capped small files at a third of what the
+    store serves. Returns, or raises the first error, only once no `keep` runs any more: the caller's journal and
+    lock outlive every write into the cache."""
     from fsspec.asyn import sync
 
-    read = whole_file_reader(fs, folder)
+    read = whole_file_reader(fs)
+    fetchers = max(1, concurrency)
 
     async def fetch_all(writers: ThreadPoolExecutor) -> None:
-        pending = iter(items)
+        listed: asyncio.Queue[tuple[str, str, int] | None] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         slow_writes = 0  # in a row, on the loop's thread
 
+        async def lister() -> None:
+            async for page in pages:
+                for item in take(page):
+                    listed.put_nowait(item)
+            for _ in range(fetchers):
+                listed.put_nowait(None)  # the listing ended: each fetcher stops once the files before are taken
+
         async def fetcher() -> None:
             nonlocal slow_writes
-            for rel, size in pending:  # one iterator shared by every fetcher: each file is taken once
+            while (item := await listed.get()) is not None:  # each file is taken by one fetcher
+                path, rel, size = item
                 try:
                     # At most a byte more than listed: an object that grew since is caught, not held whole (an
                     # empty one is read plainly: stores refuse a range of an empty object).
-                    body = await read(rel, size + 1 if size else None)
+                    body = await read(path, size + 1 if size else None)
                 except Exception as exc:  # noqa: BLE001 - connection errors of every backend
                     raise _copy_stopped(url, rel, exc, creds) from None
                 if slow_writes >= _SLOW_WRITES_IN_A_ROW:
@@ -320,13 +366,13 @@ def _fetch_concurrently(
                 keep(rel, body)
                 slow_writes = slow_writes + 1 if time.perf_counter() - started > _SLOW_WRITE_S else 0
 
-        fetchers = [asyncio.ensure_future(fetcher()) for _ in range(max(1, min(concurrency, len(items))))]
+        tasks = [asyncio.ensure_future(lister())] + [asyncio.ensure_future(fetcher()) for _ in range(fetchers)]
         try:
-            await asyncio.gather(*fetchers)
-        finally:  # one failed: the others stop fetching too, and are awaited before the error is raised
-            for task in fetchers:
+            await asyncio.gather(*tasks)
+        finally:  # one failed: the others stop too, and are awaited before the error is raised
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*fetchers, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     with ThreadPoolExecutor(thread_name_prefix="staging-write") as writers:  # exits once every write ended
         sync(fs.loop, fetch_all, writers)
