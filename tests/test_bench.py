@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -126,7 +128,14 @@ def test_bench_train_times_every_system_in_windows_of_whole_steps() -> None:
 def test_bench_train_rotates_the_systems_and_marks_ratios_within_noise() -> None:
     from clusterfit.bench.train import Cell, TrainBenchConfig, TrainBenchReport, rotations
 
-    assert rotations(("a", "b", "c"), 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert rotations(("a", "b", "c"), 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["c", "b", "a"]]
+    for names, rounds in [(("a", "b", "c", "d"), 4), (("a", "b", "c"), 6), (("a", "b", "c", "d", "e", "f"), 6)]:
+        orders = rotations(names, rounds)
+        assert all(sorted(order) == sorted(names) for order in orders)
+        firsts = Counter(order[0] for order in orders)
+        neighbours = Counter(pair for order in orders for pair in itertools.pairwise(order))
+        assert set(firsts.values()) == {rounds // len(names)} and len(firsts) == len(names)
+        assert set(neighbours.values()) == {rounds // len(names)} and len(neighbours) == len(names) * (len(names) - 1)
     config = TrainBenchConfig(models=("resnet18",), workers=(2,), steps=3, warmup=1, window=1, ray=False)
     report = TrainBenchReport(config, {"cpu": "a CPU", "cores": 2, "torch": "x", "device": "no GPU"}, "fp32")
     report.cells = [

@@ -514,9 +514,18 @@ COMPUTE_ONLY = "compute only"  # the hand-written loop without communication: th
 
 
 def rotations(names: tuple[str, ...], rounds: int) -> list[list[str]]:
-    """Round r starts with the r-th name: each takes the first slot (measured fastest on drifting machines)
-    equally often."""
-    return [[*names[r % len(names) :], *names[: r % len(names)]] for r in range(rounds)]
+    """Each round's order: the rows of a Williams design (a Latin square balanced for neighbours; the rows of its
+    mirror follow for an odd number of names), repeated. Over n rounds (2n for an odd n) each name takes the first
+    slot, measured fastest on drifting machines, equally often, and runs right after each other name equally
+    often: no system always follows the same one (Ray Train leaves its processes winding down after its run)."""
+    count = len(names)
+    base = [0]  # 0, 1, n-1, 2, n-2, ...
+    for index in range(1, count):
+        base.append((index + 1) // 2 if index % 2 else count - index // 2)
+    square = [[(slot + row) % count for slot in base] for row in range(count)]
+    if count % 2:
+        square += [order[::-1] for order in square]
+    return [[names[slot] for slot in square[round_index % len(square)]] for round_index in range(rounds)]
 
 
 def _measure_cell(
