@@ -525,7 +525,9 @@ def rotations(names: tuple[str, ...], rounds: int) -> list[list[str]]:
     square = [[(slot + row) % count for slot in base] for row in range(count)]
     if count % 2:
         square += [order[::-1] for order in square]
-    return [[names[slot] for slot in square[round_index % len(square)]] for round_index in range(rounds)]
+    # Named so that the first round runs the systems in the order given (a relabelling keeps the balance).
+    name_of = {slot: names[position] for position, slot in enumerate(base)}
+    return [[name_of[slot] for slot in square[round_index % len(square)]] for round_index in range(rounds)]
 
 
 def _measure_cell(
