@@ -218,8 +218,8 @@ def test_small_files_in_one_request_each_and_a_large_one_streamed(
 def test_copying_starts_after_the_listings_first_request(
     azurite: Azurite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Files are fetched while the rest of the folder is listed: here the listing's second request waits until a
-    file of the first (two names) is in the cache, and would wait in vain if the copy started after the listing."""
+    """Files are fetched while the rest of the folder is listed: here the listing's second page is held back until a
+    file of the first (two names) is in the cache, and would be held in vain if the copy waited for the listing."""
     source = tmp_path / "paged"
     for index in range(12):
         (source / f"c{index % 3}").mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,8 @@ _CHUNK = 4 << 20
 WHOLE_FILE_MAX = 4 << 20
 # Names in the listing's first request: copying starts once it is answered, and the rest is listed meanwhile.
 FIRST_PAGE_SIZE = 100
+# Listed files waiting for a fetcher, at most: two of Azure's listing pages.
+_LISTED_AHEAD = 10_000
 
 
 class StagingError(StorageError):
@@ -338,16 +340,17 @@ def _fetch_concurrently(
     fetchers = max(1, concurrency)
 
     async def fetch_all(writers: ThreadPoolExecutor) -> None:
-        listed: asyncio.Queue[tuple[str, str, int] | None] = asyncio.Queue()
+        # Bounded: the listing runs at most a few pages ahead of the fetchers, not a whole bucket's names ahead.
+        listed: asyncio.Queue[tuple[str, str, int] | None] = asyncio.Queue(maxsize=_LISTED_AHEAD)
         loop = asyncio.get_running_loop()
         slow_writes = 0  # in a row, on the loop's thread
 
         async def lister() -> None:
             async for page in pages:
                 for item in take(page):
-                    listed.put_nowait(item)
+                    await listed.put(item)
             for _ in range(fetchers):
-                listed.put_nowait(None)  # the listing ended: each fetcher stops once the files before are taken
+                await listed.put(None)  # the listing ended: each fetcher stops once the files before are taken
 
         async def fetcher() -> None:
             nonlocal slow_writes
