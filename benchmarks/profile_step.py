@@ -3,7 +3,9 @@ optimizer, autocast and channels_last), operators grouped into kinds, and each k
 
     python benchmarks/profile_step.py --model resnet50 --image-size 64 --batch 16 --precision bf16 --threads 2
 
-The matmul-like work (convolutions and the final linear layer) is what AMX accelerates; everything else
+After the profiled steps the same number of steps runs without the profiler: their wall time, the kernel's CPU
+time and the page faults per step (glibc's malloc settings, `MALLOC_MMAP_THRESHOLD_` and the like, change the
+last two). The matmul-like work (convolutions and the final linear layer) is what AMX accelerates; everything else
 (normalisation, activations, pooling, dtype casts, the optimizer) is memory-bound. Prints a markdown table and
 the top operators; `--json` writes the numbers.
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -94,6 +98,15 @@ def main() -> None:
         for _ in range(args.steps):
             step()
 
+    # The same steps again without the profiler: wall time, and the kernel's share (page faults among it).
+    before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    wall_ms = (time.perf_counter() - started) * 1000 / args.steps
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    kernel_ms = (after.ru_stime - before.ru_stime) * 1000 / args.steps
+    faults = (after.ru_minflt - before.ru_minflt) / args.steps
+
     events = prof.key_averages()
     total_us = sum(e.self_cpu_time_total for e in events)
     by_kind: dict[str, float] = defaultdict(float)
@@ -105,7 +118,8 @@ def main() -> None:
         f"{args.model}, {args.image_size} px, batch {args.batch}, {precision.name}, channels_last "
         f"{args.channels_last}, {args.optimizer} optimizer, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}; "
-        f"{args.steps} profiled steps, {total_us / args.steps / 1000:.0f} ms of operator time per step"
+        f"{args.steps} profiled steps, {total_us / args.steps / 1000:.0f} ms of operator time per step; "
+        f"unprofiled: {wall_ms:.0f} ms per step, {kernel_ms:.0f} ms of kernel time and {faults:.0f} page faults"
     )
     print("\n| kind | ms per step | share |\n|---|---:|---:|")
     for kind, us in sorted(by_kind.items(), key=lambda item: item[1], reverse=True):
@@ -123,6 +137,7 @@ def main() -> None:
                     "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                     "threads": torch.get_num_threads(),
                     "ms_per_step": total_us / args.steps / 1000,
+                    "unprofiled": {"wall_ms": wall_ms, "kernel_ms": kernel_ms, "page_faults": faults},
                     "kinds": {k: v / args.steps / 1000 for k, v in by_kind.items()},
                     "top": [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1000} for e in top],
                 },
