@@ -248,6 +248,35 @@ def test_copying_starts_after_the_listings_first_request(
     assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()} == files
 
 
+def test_the_listing_runs_only_a_bounded_number_of_files_ahead_of_the_copy(
+    azurite: Azurite, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bucket's names are not all held at once: with room for one listed file and one transfer, the listing's
+    last page is only done when all but a few of its files are copied. Unbounded, it is done at once."""
+    source = tmp_path / "bounded"
+    for index in range(12):
+        (source / "c0").mkdir(parents=True, exist_ok=True)
+        (source / "c0" / f"{index:02d}.jpg").write_bytes(os.urandom(500 + index))
+    _upload(azurite, source, "bounded")
+    monkeypatch.setattr(staging, "FIRST_PAGE_SIZE", 2)
+    monkeypatch.setattr(staging, "_LISTED_AHEAD", 1)
+    copied: list[str] = []
+    copied_when_listed: list[int] = []
+
+    async def watched_pages(fs: Any, root: str, **sizes: int | None) -> AsyncIterator[dict[str, int]]:
+        async for page in list_file_pages(fs, root, **sizes):
+            yield page
+        copied_when_listed.append(len(copied))  # the last page's files are all queued by now
+
+    monkeypatch.setattr(staging, "list_file_pages", watched_pages)
+    report = _stage_in_process(
+        azurite, f"az://{CONTAINER}/bounded", tmp_path / "cache", workers=1, on_file=copied.append
+    )
+    assert report.copied_files == len(copied) == 12
+    # At most one file queued, one in flight and one being written when the last file is queued.
+    assert copied_when_listed[0] >= 12 - 3, copied_when_listed
+
+
 def test_an_object_gone_mid_copy_is_one_line_and_the_finished_files_stay(azurite: Azurite, tmp_path: Path) -> None:
     source = tmp_path / "vanishing"
     for index in range(6):
