@@ -13,7 +13,7 @@ DEMO_ARGS ?= --set trainer.data.image_size=96 --set trainer.batch_size=16 --set 
 
 venv: $(STAMP)
 
-# uv installs the same pinned wheels as pip in a fraction of its time (the CUDA build of torch alone is some
+# uv installs the versions pip would choose, in a fraction of its time (the CUDA build of torch alone is some
 # 4 GB), compiling the bytecode as pip does. uv does not read pip's configuration, so where only pip's
 # configured index answers, pip installs instead.
 $(STAMP): pyproject.toml
