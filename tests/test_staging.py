@@ -254,8 +254,8 @@ def test_the_listing_runs_only_a_bounded_number_of_files_ahead_of_the_copy(
     """A bucket's names are not all held at once: with room for one listed file and one transfer, the listing's
     last page is only done when all but a few of its files are copied. Unbounded, it is done at once."""
     source = tmp_path / "bounded"
+    (source / "c0").mkdir(parents=True)
     for index in range(12):
-        (source / "c0").mkdir(parents=True, exist_ok=True)
         (source / "c0" / f"{index:02d}.jpg").write_bytes(os.urandom(500 + index))
     _upload(azurite, source, "bounded")
     monkeypatch.setattr(staging, "FIRST_PAGE_SIZE", 2)
