@@ -398,10 +398,13 @@ def _logs(out: Path) -> str:
     return "\n".join(f"{p.name}: {p.read_text()[-1500:]}" for p in sorted((out / "logs").glob("*.log")))
 
 
-ELASTIC_STEPS = 400
-# A join takes 16 s on an idle machine, while one node alone trained the rest of the 400 steps in 20 s: rank 0
-# is made a straggler (a sleep after each step) so that the job outlasts a loss and a join on any machine.
-ELASTIC_PACE = "slow:rank=0:step=1:seconds=0.05"
+ELASTIC_STEPS = 120
+# A join takes 16 s on an idle machine and 29 s beside two other test modules, where unpaced one node alone
+# trains 400 steps in 20 s. Rank 0 is made a straggler (a sleep after each step) so that the job outlasts a loss
+# and a join on any machine: over 70 s of steps alone. Few long sleeps rather than many short ones: a sleeping
+# rank costs no CPU, a step does (with 400 steps of 0.05 s, the steps after the join took 43 of the test's 103
+# core-seconds).
+ELASTIC_PACE = "slow:rank=0:step=1:seconds=0.6"
 
 
 def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: RayCluster, tmp_path: Path) -> None:
@@ -436,13 +439,18 @@ def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: 
     def trained_since(start: dict) -> bool:
         return any(r["time"] > start["time"] for r in read_records(metrics, (RecordKind.TRAIN,)))
 
+    def saved_since(start: dict) -> dict | None:
+        saved = [r for r in read_records(metrics, (RecordKind.CHECKPOINT,)) if r["time"] > start["time"]]
+        return saved[-1] if saved else None
+
     both = wait_for(lambda: last_start().get("nodes") == 2 and last_start(), 300, "the job to train on 2 nodes")
-    wait_for(lambda: trained_since(both), 120, "a step on 2 nodes")
+    saved = wait_for(lambda: saved_since(both), 120, "a checkpoint on 2 nodes")
     lost = _node_processes(cache, host=False)
     for process in lost:  # the actor, its agent and its worker at once, as when a VM is reclaimed
         process.kill()
     lost_at = time.time()
     alone = wait_for(lambda: last_start().get("nodes") == 1 and last_start(), 180, "training on the remaining node")
+    assert alone["step"] >= saved["step"] > 0, (saved, alone)  # from the last checkpoint, not from the start
     wait_for(lambda: trained_since(alone), 120, "a step on one node")
     back_at = min(r["time"] for r in read_records(metrics, (RecordKind.TRAIN,)) if r["time"] > alone["time"])
     print(f"from the node loss to training again on the remaining node: {back_at - lost_at:.1f} s")
