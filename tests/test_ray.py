@@ -440,7 +440,7 @@ def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: 
     def trained_since(start: dict) -> bool:
         return any(r["time"] > start["time"] for r in read_records(metrics, (RecordKind.TRAIN,)))
 
-    wait_for(lambda: last_start().get("nodes") == 2, 300, "the job to train on 2 nodes")
+    wait_for(lambda: last_start().get("nodes") == 2, 300, "the job to start on 2 nodes")
     # Complete in the store, whichever node rank 0 was on: the node left must resume from it (or a newer one).
     saved = step_of(wait_for(lambda: published(store / "checkpoints", 1), 120, "a checkpoint in the store")[0])
     lost = _node_processes(cache, host=False)
