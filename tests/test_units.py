@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import math
 import os
@@ -583,3 +584,21 @@ def test_an_export_that_computes_something_else_than_the_model_is_flagged(tmp_pa
     flagged = [str(w.message) for w in caught if "TorchScript export" in str(w.message)]
     assert len(flagged) == 1 and "load the safetensors weights" in flagged[0], [str(w.message) for w in caught]
     assert (tmp_path / "branching" / "model.torchscript.pt").exists()  # written, as torch's own check leaves it
+
+
+def test_long_lived_imports_run_no_collection_and_freeze_what_they_made() -> None:
+    from clusterfit.processes import long_lived_imports
+
+    frozen_before = gc.get_freeze_count()
+    try:
+        with long_lived_imports():
+            assert not gc.isenabled()
+            made = [[index] for index in range(1000)]  # containers the collector would track
+        assert gc.isenabled() and gc.get_freeze_count() >= frozen_before + len(made)
+        gc.disable()
+        with long_lived_imports():  # a caller's own choice is left as it was
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+        gc.unfreeze()

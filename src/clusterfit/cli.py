@@ -544,7 +544,10 @@ def export(
 
     if not model_card_file(model_dir).is_file():
         raise _fail(f"{model_dir}: no model_card.json; pass the model/ folder of a finished job")
-    from clusterfit.scoring.onnx_export import export_onnx  # torch, torchvision and ONNX: after the cheap check
+    from clusterfit.processes import long_lived_imports
+
+    with long_lived_imports():  # torch, torchvision and ONNX: after the cheap check
+        from clusterfit.scoring.onnx_export import export_onnx
 
     try:
         check = export_onnx(model_dir, images, tolerance)
@@ -620,13 +623,16 @@ def serve_model(
     refusal = exposure_refusal(host, auth=not no_auth, tls=tls_cert is not None, tls_elsewhere=tls_terminated_elsewhere)
     if refusal:
         raise _fail(refusal.replace("run jobs", "use the model"))
-    from clusterfit.scoring.serve import (
-        ServeSettings,
-        create_serving_app,
-        load_predictor,
-        read_or_create_keys,
-        run_endpoint,
-    )
+    from clusterfit.processes import long_lived_imports
+
+    with long_lived_imports():  # torch and torchvision: the endpoint's first answer comes sooner
+        from clusterfit.scoring.serve import (
+            ServeSettings,
+            create_serving_app,
+            load_predictor,
+            read_or_create_keys,
+            run_endpoint,
+        )
 
     say = partial(console.print, markup=False, highlight=False, soft_wrap=True)
     try:

@@ -13,7 +13,6 @@ program, which imports what it needs."""
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import itertools
 import multiprocessing
@@ -28,7 +27,7 @@ import traceback
 
 import setproctitle
 
-from clusterfit.processes import exit_code_of, exit_without_teardown
+from clusterfit.processes import exit_code_of, exit_without_teardown, long_lived_imports
 
 AGENT_MODULE = "clusterfit.backends.agent"
 TRAINER_MODULE = "clusterfit.worker"
@@ -39,18 +38,14 @@ _FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     hold_the_process_title()
-    # The imports' objects (355,000 with the trainer's) live as long as the agent and every forked rank. While
-    # they are made, each collection walks all made so far; after, frozen, the collector no longer walks them,
-    # nor dirties the pages the forks share.
-    gc.disable()
-    # torch, torchvision and the trainer, imported once for every rank
-    trainer = importlib.import_module(_TRAINER_MAIN) if runs_the_trainer(argv) else None
-    # NOTE: imported here: the launcher renders this command with the module's names and never imports torch.
-    import torch.distributed.run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import record
+    # The imports' objects (355,000 with the trainer's) live as long as the agent and every forked rank.
+    with long_lived_imports():
+        # torch, torchvision and the trainer, imported once for every rank
+        trainer = importlib.import_module(_TRAINER_MAIN) if runs_the_trainer(argv) else None
+        # NOTE: imported here: the launcher renders this command with the module's names and never imports torch.
+        import torch.distributed.run as torchrun
+        from torch.distributed.elastic.multiprocessing.errors import record
 
-    gc.freeze()
-    gc.enable()
     args = torchrun.parse_args(argv)
     if trainer is not None:
         multiprocessing.set_forkserver_preload([_TRAINER_MAIN])  # a server not forked from here imports them
