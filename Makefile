@@ -34,7 +34,11 @@ services:
 # time; tests that share one Ray or Slurm cluster are grouped onto one worker (xdist_group).
 TEST_WORKERS ?= 3
 
+# The tests start hundreds of Python processes that import clusterfit from src/, which an editable install
+# leaves uncompiled; where PYTHONDONTWRITEBYTECODE is set (it is on the machines docs/testing.md measures), each
+# process compiled every module it imported. compileall writes their bytecode once, then only for changed files.
 test: $(STAMP) services
+	$(BIN)/python -m compileall -q src
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 clean:
