@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import datetime, timezone
 from typing import Any
 
 import yaml
@@ -12,7 +13,6 @@ from rich.table import Table
 
 from clusterfit.outputs import metrics_text
 from clusterfit.outputs.summary import SCORING, scoring_line
-from clusterfit.service.views import age
 
 _STATE_STYLE = {
     "QUEUED": "cyan",
@@ -23,6 +23,17 @@ _STATE_STYLE = {
     "FAILED": "bold red",
     "CANCELLED": "magenta",
 }
+
+
+def age(value: str | None) -> str:
+    """'3 min ago' style, for tables, from a view's ISO time (always with its UTC offset)."""
+    if not value:
+        return "-"
+    seconds = (datetime.now(timezone.utc) - datetime.fromisoformat(value)).total_seconds()
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
 
 
 def _progress(row: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from clusterfit.outputs import (
 from clusterfit.outputs.checkpoints import published
 from clusterfit.service.records import outputs_url
 from clusterfit.service.states import FailureCause, JobState
-from clusterfit.service.store import Job, JobStore, utcnow
+from clusterfit.service.store import Job, JobStore
 
 _STALE_BEAT_S = 30.0  # a rank silent this long while its job runs is flagged
 
@@ -150,17 +150,6 @@ def job_details(store: JobStore, job: Job) -> dict[str, Any]:
 def metrics_series(job: Job, limit: int = 2000) -> list[dict[str, Any]]:
     """The job's last training records (step, loss, images/s), for charts."""
     return recent_records(JobOutputs.at(job.outputs_dir).metrics, (RecordKind.TRAIN, RecordKind.VAL), limit)
-
-
-def age(value: str | None) -> str:
-    """'3 min ago' style, for tables."""
-    if not value:
-        return "-"
-    seconds = (utcnow() - datetime.fromisoformat(value)).total_seconds()
-    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.0f} {unit}"
-    return f"{seconds:.0f} s"
 
 
 ACTIVE_STATES = [state.value for state in JobState if state.is_active]
