@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 
-# Files whose tests take well under a second each and start no job. pytest-xdist hands each worker the next
-# test as it frees up (the grouped files first, largest first), in collection order: these go last, so the
-# workers end together, where in file order one worker still ran a 44-second sweep while the others idled.
+# Files of short tests (most under a second, none over about ten; no training job among them). pytest-xdist
+# hands each worker the next test as it frees up (the grouped files first, largest first), in collection order:
+# these go last, so the workers end together, where in file order one worker still ran a 44-second sweep while
+# the others idled.
 QUICK_FILES = {
     "test_checkpoint.py", "test_data_decode.py", "test_docs.py", "test_job_service.py", "test_kubernetes.py",
     "test_local_rendering.py", "test_network.py", "test_service_states.py", "test_service_store.py",
