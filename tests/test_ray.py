@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -445,7 +446,9 @@ def test_an_elastic_job_loses_a_node_trains_on_and_takes_a_new_one(ray_cluster: 
     saved = step_of(wait_for(lambda: published(store / "checkpoints", 1), 120, "a checkpoint in the store")[0])
     lost = _node_processes(cache, host=False)
     for process in lost:  # the actor, its agent and its worker at once, as when a VM is reclaimed
-        process.kill()
+        # A short-lived child listed with them (a helper a process ran) may have ended by itself since.
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
     lost_at = time.time()
     alone = wait_for(lambda: last_start().get("nodes") == 1 and last_start(), 180, "training on the remaining node")
     assert alone["step"] >= saved > 0, (saved, alone)  # from the last checkpoint, not from the start
