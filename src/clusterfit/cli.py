@@ -20,6 +20,7 @@ from clusterfit.console import console, errors
 from clusterfit.console import fail as _fail
 from clusterfit.errors import ClusterfitError, SpecError
 from clusterfit.outputs import JobOutputs
+from clusterfit.processes import long_lived_imports
 from clusterfit.service.jobs import JobService, ServiceError
 from clusterfit.spec import JobSpec, load_spec
 
@@ -544,8 +545,6 @@ def export(
 
     if not model_card_file(model_dir).is_file():
         raise _fail(f"{model_dir}: no model_card.json; pass the model/ folder of a finished job")
-    from clusterfit.processes import long_lived_imports
-
     with long_lived_imports():  # torch, torchvision and ONNX: after the cheap check
         from clusterfit.scoring.onnx_export import export_onnx
 
@@ -623,8 +622,6 @@ def serve_model(
     refusal = exposure_refusal(host, auth=not no_auth, tls=tls_cert is not None, tls_elsewhere=tls_terminated_elsewhere)
     if refusal:
         raise _fail(refusal.replace("run jobs", "use the model"))
-    from clusterfit.processes import long_lived_imports
-
     with long_lived_imports():  # torch and torchvision: the endpoint's first answer comes sooner
         from clusterfit.scoring.serve import (
             ServeSettings,
