@@ -23,6 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from safetensors.torch import load_file  # noqa: E402 - loads torch, so after the OpenMP setting
 
 if TYPE_CHECKING:
+    import httpx
     from raycluster import RayCluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +107,16 @@ def processes_mentioning(marker: str) -> list[int]:
             if marker in cmdline and "clusterfit" in cmdline and int(entry.name) != os.getpid():
                 pids.append(int(entry.name))
     return pids
+
+
+def shared_by_threads(threads: int) -> httpx.Limits:
+    """Limits for one httpx.Client that `threads` threads share: a connection for each, all kept. With fewer kept
+    (20 by default), httpcore 1.0.9 closes an idle connection whenever the pool holds more connections than that,
+    even one just handed to a waiting request, which then fails reading a closed socket (EBADF) or hangs
+    (encode/httpcore#1110)."""
+    import httpx
+
+    return httpx.Limits(max_connections=threads, max_keepalive_connections=threads)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.2) -> Any:

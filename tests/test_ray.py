@@ -710,7 +710,7 @@ def test_ray_serve_replicas_answer_and_outlive_a_killed_one(ray_cluster: RayClus
     by its replacement."""
     import httpx
     import torch
-    from conftest import exported_test_model
+    from conftest import exported_test_model, shared_by_threads
     from test_serve import CLASSES, _jpeg
 
     from clusterfit.data.imagefolder import val_transform
@@ -739,7 +739,10 @@ def test_ray_serve_replicas_answer_and_outlive_a_killed_one(ray_cluster: RayClus
     try:
         images = [_jpeg(300 + n, (40, 40)) for n in range(4)]
         expected = load_classifier(model).predict(torch.stack([val_transform(32)(image) for image in images]))
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+        burst_threads = 64
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", timeout=30, limits=shared_by_threads(burst_threads)
+        ) as http:
             for image, probabilities in zip(images, expected, strict=True):
                 answer = http.post("/predict", content=image, headers={"Content-Type": "image/jpeg"})
                 assert answer.status_code == 200, answer.text
@@ -747,7 +750,7 @@ def test_ray_serve_replicas_answer_and_outlive_a_killed_one(ray_cluster: RayClus
             refused = http.post("/predict", content=b"x", headers={"Content-Type": "text/plain"})
             assert refused.status_code == 415 and "send image/jpeg" in refused.json()["detail"]
             # A burst shares batches past Ray Serve's default of 5 requests in flight per replica.
-            with ThreadPoolExecutor(64) as pool:
+            with ThreadPoolExecutor(burst_threads) as pool:
                 burst = list(pool.map(lambda image: _predict(http, image), images * 16))
             assert all(answer.status_code == 200 for answer in burst)
             stats = http.get("/stats").json()  # one replica's (the proxy prefers its own node's)

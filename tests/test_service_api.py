@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import run_cli, tiny_job, write_job
+from conftest import run_cli, shared_by_threads, tiny_job, write_job
 from service_server import ServerProcess, client, expired_token, make_token
 
 from clusterfit.service.auth import TokenError, Verdict, decide, hash_token, parse_ttl
@@ -213,12 +213,13 @@ def test_bad_spec_is_refused_with_one_line(paused_server: ServerProcess, tmp_pat
 def test_200_concurrent_submissions_survive_a_restart(database_url: str, tmp_path: Path) -> None:
     token = make_token("submit")
     body = {"spec": _spec_text(tmp_path), "overrides": []}
-    with ServerProcess("--paused") as server, client(server.url, token) as http:
+    threads = 40
+    with ServerProcess("--paused") as server, client(server.url, token, limits=shared_by_threads(threads)) as http:
 
         def submit(_: int) -> httpx.Response:
             return http.post("/api/jobs", json=body)
 
-        with ThreadPoolExecutor(max_workers=40) as pool:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
             responses = list(pool.map(submit, range(200)))
         assert [r.status_code for r in responses] == [201] * 200
         ids = {r.json()["id"] for r in responses}
