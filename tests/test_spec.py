@@ -42,7 +42,8 @@ def _set(raw: dict, dotted: str, value: object) -> dict:
 
 
 BAD_SPECS = [
-    ("trainer.modle", "resnet18", "trainer.modle: unknown key; allowed keys here: model, norm_layer, data"),
+    ("trainer.modle", "resnet18", "trainer.modle: unknown key (did you mean model?); allowed keys here: model, norm"),
+    ("trainer.data.imagesize", 32, "trainer.data.imagesize: unknown key (did you mean image_size?); allowed keys"),
     ("trainer.batch_size", 0, "trainer.batch_size = 0: Input should be greater than or equal to 1"),
     ("trainer.batch_size", "big", "trainer.batch_size = 'big': Input should be a valid integer"),
     ("trainer.model", "lenet5", "trainer.model: 'lenet5' is unknown; use a torchvision classification model such as"),

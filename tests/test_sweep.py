@@ -147,7 +147,8 @@ def test_a_losing_trial_is_pruned_and_its_job_cancelled(tmp_path: Path) -> None:
         ({"search_space": {"trainer.optimizer.lr": {"uniform": [0.1, 1]}}, "sampler": "grid"}, ["grid", "choice"]),
         ({"first_trials": [{"x": 1}]}, ["first_trials[0]"]),
         ({"job_overrides": ["trainer.optimizer.lr=0.1"]}, ["job_overrides", "a field the sweep searches"]),
-        ({"job_overrides": ["trainer.epochz=2"]}, ["job_overrides", "trainer.epochz: unknown key"]),
+        ({"job_overrides": ["trainer.epochz=2"]}, ["job_overrides", "trainer.epochz: unknown key (did you mean epoch"]),
+        ({"max_trails": 3}, ["max_trails: unknown key (did you mean max_trials?); allowed keys here: name, job"]),
         ({"search_space": {"trainer.batch_size": {"choice": ["big", 8]}}}, ["trainer.batch_size", "valid integer"]),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 import reprlib
 from pathlib import Path
@@ -130,7 +131,7 @@ def validate_spec(raw: dict[str, Any], source: str = "job") -> JobSpec:
         # A bad strategy name also fails its options; the name is the mistake to report.
         bad_strategy = {err["loc"][:-1] for err in errors if err["loc"][-1:] == ("strategy",)}
         errors = [err for err in errors if not any(_under(err["loc"], (*p, "strategy_options")) for p in bad_strategy)]
-        raise SpecError("\n".join(f"{source}: {_describe(err)}" for err in errors)) from None
+        raise SpecError("\n".join(f"{source}: {describe_error(err)}" for err in errors)) from None
 
 
 def _under(loc: tuple[Any, ...], prefix: tuple[Any, ...]) -> bool:
@@ -161,14 +162,16 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
-def _describe(err: dict[str, Any]) -> str:
-    path, model = _walk(err["loc"])
+def describe_error(err: Any, root: type[BaseModel] = JobSpec) -> str:
+    """One of pydantic's errors for `root` (a job spec, a sweep) as the user's one line: the field as written
+    in YAML, the value and what is wrong with it."""
+    path, model = _walk(err["loc"], root)
     field = ".".join(path) or "(top level)"
     if err["type"] == "extra_forbidden":
         fields = model.model_fields if model else {}
         allowed = [name for name, info in fields.items() if not info.exclude]  # excluded: internal union tags
         hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else "; this section takes no keys here"
-        return f"{field}: unknown key{hint}"
+        return f"{field}: unknown key{_likely_meant(path[-1] if path else '', allowed)}{hint}"
     if err["type"] == "missing":
         return f"{field}: required but missing"
     msg = err["msg"].removeprefix("Value error, ")
@@ -176,6 +179,12 @@ def _describe(err: dict[str, Any]) -> str:
         # Model-level checks phrase the whole problem themselves.
         return f"{field}: {msg}" if path else msg
     return f"{field} = {_shown(err.get('input'))}: {msg}"
+
+
+def _likely_meant(key: str, allowed: list[str]) -> str:
+    """A misspelt key names the one it is closest to (`modle` → `model`), as git names a mistyped command."""
+    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _shown(value: Any) -> str:
@@ -186,13 +195,13 @@ def _shown(value: Any) -> str:
     return text if len(text) <= _MAX_SHOWN else text[: _MAX_SHOWN - 3] + "..."
 
 
-def _walk(loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None]:
+def _walk(loc: tuple[Any, ...], root: type[BaseModel]) -> tuple[list[str], type[BaseModel] | None]:
     """The user-facing path of an error location, and the model in which its last key was looked up.
 
     Discriminated unions put their tag in the location (`strategy_options.fsdp.x`); users never write
     that tag, so it is left out of the path."""
     path: list[str] = []
-    holder: type[BaseModel] | None = JobSpec  # the model whose fields the next part names
+    holder: type[BaseModel] | None = root  # the model whose fields the next part names
     owner: type[BaseModel] | None = None
     choices: list[type[BaseModel]] = []  # the members of a union whose tag comes next
     for raw_part in loc:

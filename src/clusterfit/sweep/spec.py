@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from clusterfit.errors import SpecError
 from clusterfit.spec import load_spec
-from clusterfit.spec.load import apply_override, spec_yaml
+from clusterfit.spec.load import apply_override, describe_error, spec_yaml
 from clusterfit.spec.model import is_url
 
 
@@ -156,9 +156,9 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> tuple[Sw
     try:
         sweep = SweepSpec.model_validate(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise SpecError(f"{path}: {where}: {first['msg'].removeprefix('Value error, ')}") from None
+        # One line: a misspelt key first, as it is also why its field is missing.
+        first = min(exc.errors(), key=lambda err: err["type"] != "extra_forbidden")
+        raise SpecError(f"{path}: {describe_error(first, SweepSpec)}") from None
     job_file = (path.parent / sweep.job).resolve()
     if not is_url(sweep.outputs_dir):  # read from where the sweep runs, as a job's outputs.dir is
         sweep = sweep.model_copy(update={"outputs_dir": str(Path(sweep.outputs_dir).expanduser().resolve())})
