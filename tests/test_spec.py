@@ -47,6 +47,7 @@ BAD_SPECS = [
     ("trainer.batch_size", 0, "trainer.batch_size = 0: Input should be greater than or equal to 1"),
     ("trainer.batch_size", "big", "trainer.batch_size = 'big': Input should be a valid integer"),
     ("trainer.model", "lenet5", "trainer.model: 'lenet5' is unknown; use a torchvision classification model such as"),
+    ("trainer.model", "resnt18", "trainer.model: 'resnt18' is unknown (did you mean resnet18?); use a torchvision"),
     ("trainer.precision", "fp8", "trainer.precision = 'fp8': Input should be 'auto', 'fp32', 'bf16' or 'fp16'"),
     ("trainer.optimizer.lr", -1, "trainer.optimizer.lr = -1: Input should be greater than 0"),
     ("trainer.data.val", "synthetic", "trainer.data: val cannot be 'synthetic'"),

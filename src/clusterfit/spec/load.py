@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 import reprlib
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from clusterfit.spec.errors import SpecError
+from clusterfit.spec.errors import SpecError, did_you_mean
 from clusterfit.spec.model import JobSpec
 
 
@@ -171,7 +170,7 @@ def describe_error(err: Any, root: type[BaseModel] = JobSpec) -> str:
         fields = model.model_fields if model else {}
         allowed = [name for name, info in fields.items() if not info.exclude]  # excluded: internal union tags
         hint = f"; allowed keys here: {', '.join(allowed)}" if allowed else "; this section takes no keys here"
-        return f"{field}: unknown key{_likely_meant(path[-1] if path else '', allowed)}{hint}"
+        return f"{field}: unknown key{did_you_mean(path[-1] if path else '', allowed)}{hint}"
     if err["type"] == "missing":
         return f"{field}: required but missing"
     msg = err["msg"].removeprefix("Value error, ")
@@ -179,12 +178,6 @@ def describe_error(err: Any, root: type[BaseModel] = JobSpec) -> str:
         # Model-level checks phrase the whole problem themselves.
         return f"{field}: {msg}" if path else msg
     return f"{field} = {_shown(err.get('input'))}: {msg}"
-
-
-def _likely_meant(key: str, allowed: list[str]) -> str:
-    """A misspelt key names the one it is closest to (`modle` → `model`), as git names a mistyped command."""
-    close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.75)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _shown(value: Any) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 
+from clusterfit.spec.errors import did_you_mean
+
 RESNET_FAMILY = (
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
     "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d", "wide_resnet50_2", "wide_resnet101_2",
@@ -48,7 +50,8 @@ def unknown_model(name: str) -> str | None:
     if name in MODEL_NAMES:
         return None
     return (
-        f"{name!r} is unknown; use a torchvision classification model such as {EXAMPLES} (docs/training.md lists all)"
+        f"{name!r} is unknown{did_you_mean(name, MODEL_NAMES)}; use a torchvision classification model such as "
+        f"{EXAMPLES} (docs/training.md lists all)"
     )
 
 
