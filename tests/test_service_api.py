@@ -3,6 +3,7 @@ real HTTP, on SQLite and on a real PostgreSQL."""
 
 from __future__ import annotations
 
+import json
 import re
 import selectors
 import socket
@@ -274,6 +275,12 @@ def test_cli_prints_the_same_through_a_server(paused_server: ServerProcess, tmp_
         here, there = run_cli(*command), run_cli(*command, *remote)
         assert here.returncode == there.returncode == 0, (command, here.stderr, there.stderr)
         _same_output(here.stdout, there.stdout)
+    for command in (["list"], ["status", job_id], ["show", job_id]):  # --json: the API's own fields, for scripts
+        here, there = run_cli(*command, "--json"), run_cli(*command, "--json", *remote)
+        assert json.loads(here.stdout) == json.loads(there.stdout), command
+    [listed] = json.loads(run_cli("list", "--json").stdout)
+    assert (listed["id"], listed["name"], listed["state"]) == (job_id, "tiny", "CANCELLED")
+    assert json.loads(run_cli("status", job_id, "--json").stdout)["cause"] == "CANCELLED"
     shown = run_cli("logs", job_id, *remote).stdout.splitlines()
     assert shown == [
         "[torchrun] agent started",

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from conftest import run_cli
+from conftest import cli_command, run_cli
 from sqlalchemy import inspect
 
 from clusterfit.service.migrate import open_store
@@ -179,3 +180,15 @@ def test_an_unreachable_store_is_one_line_without_its_password(monkeypatch: pyte
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert result.stderr.startswith("error: job store postgresql+psycopg://user:***@127.0.0.1:1/jobs: ")
     assert "hunter2" not in result.stderr and "check CLUSTERFIT_DATABASE_URL" in result.stderr
+
+
+def test_a_piped_list_prints_every_row_whole_on_one_line() -> None:
+    """A script's `clusterfit list | grep NAME` must find the name: without a terminal rich assumes 80 columns and
+    cut it (`a-name-that-…`) and wrapped the progress onto a second line."""
+    name = "a-job-name-long-enough-to-be-cut-at-eighty-columns"
+    _add(open_store(), name=name)
+    narrow = {**os.environ, "COLUMNS": "60"}  # a narrow terminal's setting, inherited by the pipe
+    listing = subprocess.run(cli_command("list"), env=narrow, capture_output=True, text=True, check=True).stdout
+    header, row = listing.splitlines()
+    assert header.split() == ["id", "name", "state", "engine", "ranks", "progress", "images/s", "age"]
+    assert row.split()[1:6] == [name, "QUEUED", "local", "2", "-"], listing

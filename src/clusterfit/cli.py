@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from clusterfit.bench.cli import bench_app
-from clusterfit.console import console, errors
+from clusterfit.console import console, errors, print_json, print_table
 from clusterfit.console import fail as _fail
 from clusterfit.errors import ClusterfitError, SpecError
 from clusterfit.outputs import JobOutputs
@@ -214,10 +214,16 @@ def submit(
         console.print(jobs.submit(spec_file, _with_backend(overrides, backend_name))["id"], markup=False)
 
 
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Print the HTTP API's JSON for this request instead, for scripts.")
+]
+
+
 @app.command("list")
 def list_jobs(
     state: Annotated[Optional[str], typer.Option(help="Only jobs in this state, e.g. running.")] = None,  # noqa: UP045
     limit: Annotated[int, typer.Option(min=1, help="At most this many, newest first.")] = 50,
+    as_json: JsonOption = False,
     server: ServerOption = None,
     token: TokenOption = None,
 ) -> None:
@@ -228,30 +234,39 @@ def list_jobs(
     with _one_line_errors():
         wanted = parse_state(state, "--state")
     with _jobs(server, token) as jobs:
-        console.print(jobs_table(jobs.list_jobs(wanted, limit)))
+        found = jobs.list_jobs(wanted, limit)
+    print_json(found) if as_json else print_table(jobs_table(found))
 
 
 JobArgument = Annotated[str, typer.Argument(metavar="JOB", help="A job id (or a unique prefix of one).")]
 
 
 @app.command()
-def status(job_id: JobArgument, server: ServerOption = None, token: TokenOption = None) -> None:
+def status(
+    job_id: JobArgument, as_json: JsonOption = False, server: ServerOption = None, token: TokenOption = None
+) -> None:
     """A job's state, progress, per-rank health and, if it failed, why."""
     from clusterfit.service.render import status_lines
 
     with _jobs(server, token) as jobs:
         found = jobs.status(job_id)
+    if as_json:
+        return print_json(found)
     for line in status_lines(found):
         console.print(line, markup=False, soft_wrap=True)
 
 
 @app.command()
-def show(job_id: JobArgument, server: ServerOption = None, token: TokenOption = None) -> None:
+def show(
+    job_id: JobArgument, as_json: JsonOption = False, server: ServerOption = None, token: TokenOption = None
+) -> None:
     """Everything about a job: resolved spec, history, outputs, metrics, checkpoints."""
     from clusterfit.service.render import details_lines
 
     with _jobs(server, token) as jobs:
         details = jobs.details(job_id)
+    if as_json:
+        return print_json(details)
     for line in details_lines(details):
         console.print(line, markup=False, soft_wrap=True)
 
@@ -461,7 +476,7 @@ def token_list() -> None:
         state = "revoked" if token.revoked_at else "expired" if expired else "valid"
         expires = f"{token.expires_at:%Y-%m-%d %H:%M}" if token.expires_at else "never"
         table.add_row(str(token.id), token.name, token.owner, token.scopes, expires, state)
-    console.print(table)
+    print_table(table)
 
 
 @token_app.command("revoke")
@@ -867,7 +882,7 @@ def _print_sweep(name: str, jobs: JobService) -> None:
     from clusterfit.sweep.render import sweep_table
 
     rows, direction = sweep_rows(_known_sweep(name), jobs)
-    console.print(sweep_table(name, rows, direction))
+    print_table(sweep_table(name, rows, direction))
     best = next((row for row in rows if row["state"] == "COMPLETE"), None)
     if best is not None:
         console.print(f"best: trial {best['trial']} {best['params']} -> {best['outputs']}", markup=False)
@@ -891,7 +906,7 @@ def _print_summary(out: JobOutputs) -> None:
             f"{epoch.get('train_loss', float('nan')):.4f}",
             "-" if top1 is None else f"{top1:.3f}",
         )
-    console.print(table)
+    print_table(table)
     inputs = summary.get("inputs") or {}
     if inputs.get("skipped_files"):
         reasons = ", ".join(f"{count} {reason}" for reason, count in inputs["by_reason"].items())
