@@ -235,7 +235,10 @@ def list_jobs(
         wanted = parse_state(state, "--state")
     with _jobs(server, token) as jobs:
         found = jobs.list_jobs(wanted, limit)
-    print_json(found) if as_json else print_table(jobs_table(found))
+    if as_json:
+        print_json(found)
+    else:
+        print_table(jobs_table(found))
 
 
 JobArgument = Annotated[str, typer.Argument(metavar="JOB", help="A job id (or a unique prefix of one).")]
@@ -251,7 +254,8 @@ def status(
     with _jobs(server, token) as jobs:
         found = jobs.status(job_id)
     if as_json:
-        return print_json(found)
+        print_json(found)
+        return
     for line in status_lines(found):
         console.print(line, markup=False, soft_wrap=True)
 
@@ -266,7 +270,8 @@ def show(
     with _jobs(server, token) as jobs:
         details = jobs.details(job_id)
     if as_json:
-        return print_json(details)
+        print_json(details)
+        return
     for line in details_lines(details):
         console.print(line, markup=False, soft_wrap=True)
 

@@ -13,8 +13,8 @@ from rich.measure import Measurement
 from rich.table import Table
 
 console = Console(highlight=False)
-_WIDEST = 10_000  # columns a piped table may take
 errors = Console(stderr=True, highlight=False)
+_WIDEST = 10_000  # columns a piped table may take
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -28,7 +28,8 @@ def print_table(table: Table) -> None:
     """`table` fitted to the terminal; piped or redirected, whole: a script that greps a job's name must find
     it, not a name cut to the 80 columns rich assumes without a terminal."""
     if console.is_terminal:
-        return console.print(table)
+        console.print(table)
+        return
     whole = console.options.update_width(_WIDEST)  # measured unclamped, not within the 80 columns
     width = Measurement.get(console, whole, table).maximum
     # A console of the table's width: print(width=) would clamp it to this console's 80.

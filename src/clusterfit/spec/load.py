@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from clusterfit.spec.errors import SpecError, did_you_mean
 from clusterfit.spec.model import JobSpec
@@ -161,7 +162,7 @@ def apply_override(raw: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
-def describe_error(err: Any, root: type[BaseModel] = JobSpec) -> str:
+def describe_error(err: ErrorDetails, root: type[BaseModel] = JobSpec) -> str:
     """One of pydantic's errors for `root` (a job spec, a sweep) as the user's one line: the field as written
     in YAML, the value and what is wrong with it."""
     path, model = _walk(err["loc"], root)
