@@ -602,3 +602,13 @@ def test_long_lived_imports_run_no_collection_and_freeze_what_they_made() -> Non
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def test_help_shows_extras_and_layouts_as_written_and_reflows_paragraphs() -> None:
+    """Help texts are Markdown: rich's own markup took `clusterfit[bench]` for a style and printed `clusterfit`."""
+    bench = run_cli("bench", "data", "--help").stdout
+    assert "(needs clusterfit[bench])" in " ".join(bench.replace("│", " ").split())
+    assert "SRC/<class>/<image>" in run_cli("data", "pack", "--help").stdout
+    # A docstring's paragraph wrapped in the source reflows: its first line fills the 200 columns run_cli sets.
+    plan = run_cli("plan", "--help").stdout
+    assert "the step split into compute, exposed all-reduce and input pipeline" in plan

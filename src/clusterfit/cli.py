@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 
 from clusterfit.bench.cli import bench_app
-from clusterfit.console import console, errors, print_json, print_table
+from clusterfit.console import HELP_MARKUP, console, errors, print_json, print_table
 from clusterfit.console import fail as _fail
 from clusterfit.errors import ClusterfitError, SpecError
 from clusterfit.outputs import JobOutputs
@@ -29,6 +29,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode=HELP_MARKUP,
 )
 
 BackendOption = Annotated[
@@ -438,7 +439,9 @@ def _job_account_differs(named_by: str, job_user: str) -> bool:
 
 
 token_app = typer.Typer(
-    help="API tokens of this machine's job service (for `clusterfit server`).", no_args_is_help=True
+    help="API tokens of this machine's job service (for `clusterfit server`).",
+    no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(token_app, name="token")
 
@@ -736,14 +739,16 @@ def score(
 
 
 data_app = typer.Typer(
-    help="Prepare training data: pack folders into shards, stage from object storage.", no_args_is_help=True
+    help="Prepare training data: pack folders into shards, stage from object storage.",
+    no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(data_app, name="data")
 
 
 @data_app.command("pack")
 def data_pack(
-    src: Annotated[str, typer.Argument(help="An ImageNet-layout folder: SRC/<class>/<image>.")],
+    src: Annotated[str, typer.Argument(help="An ImageNet-layout folder: `SRC/<class>/<image>`.")],
     dst: Annotated[str, typer.Argument(help="A new folder for shard-*.tar and index.json.")],
     shard_size: Annotated[str, typer.Option("--shard-size", help="Bytes per shard, e.g. 256MB or 1GiB.")] = "256MB",
     max_side: Annotated[int, typer.Option("--max-side", min=16, help="Longer image side after re-encoding.")] = 320,
@@ -795,6 +800,7 @@ app.add_typer(bench_app, name="bench")
 sweep_app = typer.Typer(
     help="Hyperparameter sweeps: trials of one job side by side in the queue, the losers stopped early.",
     no_args_is_help=True,
+    rich_markup_mode=HELP_MARKUP,
 )
 app.add_typer(sweep_app, name="sweep")
 SweepName = Annotated[str, typer.Argument(metavar="NAME", help="The sweep's name (sweep.yaml's `name`).")]

@@ -15,6 +15,9 @@ from rich.table import Table
 console = Console(highlight=False)
 errors = Console(stderr=True, highlight=False)
 _WIDEST = 10_000  # columns a piped table may take
+# Help texts are Markdown: a docstring's paragraphs reflow to the terminal, `code` shows as code, and an extra's
+# `clusterfit[bench]` stays whole (rich's own markup took `[bench]` for a style and dropped it).
+HELP_MARKUP = "markdown"
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:

@@ -9,10 +9,12 @@ from typing import Annotated, Optional, Protocol, TypeVar
 
 import typer
 
-from clusterfit.console import console, fail
+from clusterfit.console import HELP_MARKUP, console, fail
 from clusterfit.errors import ClusterfitError
 
-bench_app = typer.Typer(help="Measure clusterfit's parts on this machine.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Measure clusterfit's parts on this machine.", no_args_is_help=True, rich_markup_mode=HELP_MARKUP
+)
 
 
 class _Report(Protocol):
