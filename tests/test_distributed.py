@@ -347,14 +347,16 @@ def _check_model_card_and_onnx_export(out: Path, images: Path, summary: dict) ->
 
 
 def test_synthetic_end_to_end_and_rerun_of_a_finished_job(tmp_path: Path) -> None:
-    job = write_job(tmp_path / "job.yaml", tiny_job(tmp_path / "out", precision="auto", channels_last=True))
+    out = tmp_path / "out[lr=0.1]"  # brackets, as a sweep's folder may have: never a glob, never console markup
+    job = write_job(tmp_path / "job.yaml", tiny_job(out, precision="auto", channels_last=True))
     first = _run_ok(job)
-    assert "model.safetensors" in first.stdout
-    weights = exported_weights(tmp_path / "out")
+    assert f"model: {out / 'model' / 'model.safetensors'}, " in first.stdout, first.stdout
+    assert f"summary: {out / 'summary.json'}  metrics: " in first.stdout
+    weights = exported_weights(out)
     second = _run_ok(job)  # a finished job's rerun resumes at its end and trains nothing more
     assert "resuming from" in second.stdout
-    assert max_abs_difference(exported_weights(tmp_path / "out"), weights) == 0.0
-    assert (tmp_path / "out" / "logs" / "rank-0.log.1").exists(), "the first run's logs are kept"
+    assert max_abs_difference(exported_weights(out), weights) == 0.0
+    assert (out / "logs" / "rank-0.log.1").exists(), "the first run's logs are kept"
 
 
 def test_failed_job_names_the_rank_and_the_exception(tmp_path: Path, tiny_imagefolder: Path) -> None:

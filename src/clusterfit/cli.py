@@ -465,7 +465,8 @@ def token_create(
         raise _fail(str(exc)) from None
     expiry = f"expires {issued.expires_at:%Y-%m-%d %H:%M} UTC" if issued.expires_at else "never expires"
     errors.print(
-        f"token {issued.id} ({issued.name} of {issued.owner}, scope {issued.scope}, {expiry}); it is shown only now:"
+        f"token {issued.id} ({issued.name} of {issued.owner}, scope {issued.scope}, {expiry}); it is shown only now:",
+        markup=False,
     )
     console.print(issued.secret, markup=False)
 
@@ -505,7 +506,9 @@ def validate(
     """Check a job spec and its data without running anything."""
     spec = _load(spec_file, overrides, backend_name)
     what = spec.trainer.model if spec.trainer else f"command, {spec.distribution.type}"
-    console.print(f"{spec_file}: ok ({what}, {spec.world_size} worker(s), backend {spec.resources.backend})")
+    console.print(
+        f"{spec_file}: ok ({what}, {spec.world_size} worker(s), backend {spec.resources.backend})", markup=False
+    )
 
 
 @app.command()
@@ -923,8 +926,11 @@ def _print_summary(out: JobOutputs) -> None:
         reasons = ", ".join(f"{count} {reason}" for reason, count in inputs["by_reason"].items())
         worst = ", ".join(entry["file"] for entry in inputs["files"][:3])
         console.print(f"skipped {inputs['skipped_files']} unreadable input files ({reasons}): {worst}", markup=False)
-    console.print(f"model: {', '.join(summary['exported'])}")
-    console.print(f"summary: {out.summary}  metrics: {out.metrics}  tensorboard: {out.tensorboard}")
+    # Paths as they are (brackets and all), each line whole for a script to cut.
+    console.print(f"model: {', '.join(summary['exported'])}", markup=False, soft_wrap=True)
+    console.print(
+        f"summary: {out.summary}  metrics: {out.metrics}  tensorboard: {out.tensorboard}", markup=False, soft_wrap=True
+    )
 
 
 def _print_scoring_summary(out: JobOutputs) -> None:
