@@ -348,13 +348,16 @@ def test_cli_errors_are_one_line(paused_server: ServerProcess, tmp_path: Path) -
 
 
 def test_token_commands() -> None:
-    created = run_cli("token", "create", "--scope", "submit", "--ttl", "2h", "--name", "ci")
+    # A name with brackets, shown as it is: never taken for rich markup.
+    created = run_cli("token", "create", "--scope", "submit", "--ttl", "2h", "--name", "ci[bold]")
     assert created.returncode == 0, created.stderr
+    assert "(ci[bold] of " in created.stderr
     secret = created.stdout.strip()
     record = open_store().token_by_hash(hash_token(secret))
-    assert record.name == "ci" and record.scopes == "submit"
+    assert record.name == "ci[bold]" and record.scopes == "submit"
     assert timedelta(minutes=119) < record.expires_at - record.created_at <= timedelta(hours=2)
-    assert "valid" in run_cli("token", "list").stdout
+    listed = run_cli("token", "list").stdout.splitlines()[1].split()
+    assert (listed[1], listed[3], listed[-1]) == ("ci[bold]", "submit", "valid"), listed
     assert run_cli("token", "revoke", str(record.id)).returncode == 0
     assert "revoked" in run_cli("token", "list").stdout
     for args, words in [

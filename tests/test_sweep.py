@@ -240,3 +240,16 @@ def test_a_sweep_through_a_server_waits_out_the_server_s_restart(tmp_path: Path)
     assert "cannot reach the clusterfit server" in said and "trying again every 0.2 s" in said, said[-3000:]
     assert "the job service answers again" in said
     assert [t.state.name for t in find_study("scaled").trials] == ["COMPLETE", "PRUNED"]
+
+
+def test_the_trial_table_shows_values_and_reasons_as_they_are() -> None:
+    from rich.console import Console
+
+    from clusterfit.sweep.render import sweep_table
+
+    row = {"trial": 0, "params": {"trainer.augment.preset": "[bold]"}, "state": "FAIL", "value": None, "reports": 0}
+    row |= {"wall_s": 1.0, "job": None, "job_state": None, "why": "bad value [red] in the spec"}
+    console = Console(width=200, record=True)
+    console.print(sweep_table("s", [row], "maximize"))
+    text = console.export_text()
+    assert "preset=[bold]" in text and "bad value [red] in the spec" in text, text

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from clusterfit.bench.cli import bench_app
@@ -467,6 +468,7 @@ def token_create(
     errors.print(
         f"token {issued.id} ({issued.name} of {issued.owner}, scope {issued.scope}, {expiry}); it is shown only now:",
         markup=False,
+        soft_wrap=True,
     )
     console.print(issued.secret, markup=False)
 
@@ -484,7 +486,7 @@ def token_list() -> None:
         expired = token.expires_at is not None and token.expires_at <= now
         state = "revoked" if token.revoked_at else "expired" if expired else "valid"
         expires = f"{token.expires_at:%Y-%m-%d %H:%M}" if token.expires_at else "never"
-        table.add_row(str(token.id), token.name, token.owner, token.scopes, expires, state)
+        table.add_row(str(token.id), escape(token.name), escape(token.owner), token.scopes, expires, state)
     print_table(table)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from clusterfit.plots import pyplot
@@ -23,15 +24,15 @@ def sweep_table(name: str, rows: list[dict[str, Any]], direction: str) -> Table:
             f"{field.rsplit('.', 1)[-1]}={_number(v) if isinstance(v, float) else v}"
             for field, v in row["params"].items()
         )
-        table.add_row(
+        table.add_row(  # the search space's values and a failure's words as they are, never rich markup
             str(row["trial"]),
-            params,
+            escape(params),
             row["state"],
             _number(row["value"]),
             str(row["reports"]),
             _number(row["wall_s"], 3),
             row["job"] or "-",
-            row["job_state"] or (row["why"] or "-"),
+            escape(row["job_state"] or (row["why"] or "-")),
         )
     return table
 
