@@ -352,6 +352,7 @@ def test_synthetic_end_to_end_and_rerun_of_a_finished_job(tmp_path: Path) -> Non
     first = _run_ok(job)
     assert f"model: {out / 'model' / 'model.safetensors'}, " in first.stdout, first.stdout
     assert f"summary: {out / 'summary.json'}  metrics: " in first.stdout
+    assert " input: " not in first.stdout, "synthetic data reads no file: no 'input: 0 samples read' line"
     weights = exported_weights(out)
     second = _run_ok(job)  # a finished job's rerun resumes at its end and trains nothing more
     assert "resuming from" in second.stdout

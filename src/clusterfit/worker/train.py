@@ -549,7 +549,8 @@ class Trainer:
         )
         exported.append(write_model_card(self.out.model, card))
         log.info("exported %s", ", ".join(str(p) for p in exported))
-        log.info("%s", describe(self.inputs.tally))
+        if self.inputs.tally.reads or self.inputs.tally.files:  # synthetic data reads no file to speak of
+            log.info("%s", describe(self.inputs.tally))
         confusion = {}
         if self.last_confusion is not None:
             classes = list(self.facts.classes)
