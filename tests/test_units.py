@@ -281,6 +281,21 @@ def test_the_progress_line_shows_a_user_s_epoch_report_without_a_loss() -> None:
     assert _train_stats(user) == "epoch 1 images_per_s 12.5"
 
 
+def test_the_progress_bar_shows_a_script_s_metric_names_as_written(tmp_path: Path) -> None:
+    """A script's metric named `acc[bold]` is shown so, not taken for rich markup."""
+    from rich.console import Console
+
+    from clusterfit.monitoring.progress import LiveView
+
+    out = JobOutputs.at(tmp_path)
+    out.logs.mkdir(parents=True)
+    console = Console(width=200, record=True, force_terminal=False)
+    with LiveView(out, 1, console) as view:
+        out.metrics.write_text(json.dumps({"kind": "train", "step": 3, "total_steps": 9, "acc[bold]": 0.5}) + "\n")
+        view.tick()
+    assert "acc[bold] 0.5" in console.export_text()
+
+
 def test_membership_changes_are_the_start_records_whose_node_count_differs_from_the_one_before() -> None:
     starts = [
         {"step": 0, "nodes": 1, "world_size": 2, "time": 1.0},

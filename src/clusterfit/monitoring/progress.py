@@ -30,7 +30,7 @@ class LiveView:
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"),
+            TextColumn("{task.fields[stats]}", markup=False),  # a script's metric names as it wrote them
             TimeElapsedColumn(),
             TimeRemainingColumn(),
         )
