@@ -160,7 +160,7 @@ def test_outputs_at_a_url_outlive_the_machine_and_the_rerun_resumes_from_the_sto
     shutil.rmtree(cache)  # read from another machine
     show = run_cli("show", job_id)
     assert show.returncode == 0, show.stderr
-    assert f"(a copy of {url})" in show.stdout and "summary: [" in show.stdout
+    assert f"(a copy of {url})" in show.stdout and "\nsummary:\n  epoch 1: step " in show.stdout
     logs = run_cli("logs", job_id)
     assert "rank 0 of 2" in logs.stdout and "rank 1 of 2" in logs.stdout
 

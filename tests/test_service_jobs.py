@@ -101,6 +101,7 @@ def test_submitted_job_runs_to_success_and_is_shown(tmp_path: Path) -> None:
     show = run_cli("show", job_id).stdout
     assert "QUEUED" in show and "STAGING" in show and "RUNNING" in show
     assert "checkpoint: " in show and "model.safetensors" in show and "name: tiny" in show
+    assert "\nsummary:\n  epoch 1: step 4, images_per_s " in show, show  # each epoch on a line of its own
     logs = run_cli("logs", job_id).stdout.splitlines()
     host = os.uname().nodename
     assert any(line.startswith(f"[rank0@{host}] ") and "exported" in line for line in logs)

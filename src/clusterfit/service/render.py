@@ -3,7 +3,6 @@ store or from a server."""
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import datetime, timezone
 from typing import Any
@@ -110,10 +109,14 @@ def history_lines(status: dict[str, Any]) -> list[str]:
     return [f"  {event['at'][:19]}  {event['state']:<9}  {event['message']}" for event in status["history"]]
 
 
-def _summary_line(summary: dict[str, Any]) -> str:
+def _summary_lines(summary: dict[str, Any]) -> list[str]:
     if summary.get("kind") == SCORING:
-        return f"summary: {scoring_line(summary)}; {', '.join(summary['exported'])}"
-    return f"summary: {json.dumps(summary.get('epochs', []))}"
+        return [f"summary: {scoring_line(summary)}; {', '.join(summary['exported'])}"]
+    lines = ["summary:"]
+    for epoch in summary.get("epochs", []):
+        fields = {key: value for key, value in epoch.items() if key != "epoch"}
+        lines.append(f"  epoch {epoch['epoch']}: {metrics_text(fields)}")
+    return lines
 
 
 def details_lines(details: dict[str, Any]) -> list[str]:
@@ -127,7 +130,7 @@ def details_lines(details: dict[str, Any]) -> list[str]:
         *(f"  model: {path}" for path in details["model_files"]),
         *(f"  checkpoint: {path}" for path in details["checkpoints"]),
         f"  metrics: {details['metrics_file']}  tensorboard: {details['tensorboard_dir']}",
-        *([_summary_line(details["summary"])] if details["summary"] else []),
+        *(_summary_lines(details["summary"]) if details["summary"] else []),
         "spec:",
         *yaml.safe_dump(details["spec"], sort_keys=False).splitlines(),
     ]
