@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,8 @@ import yaml
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from safetensors.torch import load_file  # noqa: E402 - loads torch, so after the OpenMP setting
+
+from clusterfit.backends.warm_start import READY_LINE, WARM_START_ENV  # noqa: E402
 
 if TYPE_CHECKING:
     import httpx
@@ -224,6 +227,39 @@ def tiny_imagefolder(tmp_path: Path) -> Path:
 
     # 15 validation images: 2 ranks get 8 and 7, so exact counting across ranks is exercised.
     return make_tiny_imagefolder(tmp_path / "data", classes=3, train_per_class=16, val_per_class=5, size=40)
+
+
+@dataclass(frozen=True)
+class WarmStart:
+    pid: int
+    socket: Path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmStart]:
+    """`clusterfit warm-start`, one per test worker, named in the environment of every process the tests start:
+    local jobs' agents fork from it (backends/warm_start.py), as a user's do who runs one, instead of each
+    importing torch again. Jobs that must start cold say so (`cold_env`); jobs of other engines always do."""
+    socket_path = tmp_path_factory.mktemp("warm") / "agents.sock"
+    command = cli_command("warm-start", "--socket", str(socket_path))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None
+    ready = process.stdout.readline()  # once torch, torchvision and the trainer are imported
+    assert ready.startswith(READY_LINE), f"clusterfit warm-start did not start: {ready!r}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(WARM_START_ENV, str(socket_path))
+        yield WarmStart(process.pid, socket_path)
+    process.terminate()
+    try:
+        process.wait(60)  # it waits for the agents it started, which a failed test may have left
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def cold_env(**extra: str) -> dict[str, str]:
+    """This process's environment without the warm start: a job run in it starts its agent as a new interpreter."""
+    return {**{name: value for name, value in os.environ.items() if name != WARM_START_ENV}, **extra}
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ from azure.storage.blob import BlobServiceClient
 from azurite import Azurite, serving
 from conftest import (
     REPO,
+    WarmStart,
     cli_command,
     exported_weights,
     kill_after_first_checkpoint,
@@ -73,9 +74,17 @@ pytestmark = pytest.mark.xdist_group("distributed")
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """16 steps without interruption: the reference the interrupted runs must reproduce."""
+    """16 steps without interruption: the reference the interrupted runs must reproduce. It starts cold, as a
+    job whose interpreter settings differ from the warm-start process's must, and says why in its agent log;
+    the interrupted runs start warm, so matching it also shows a forked agent trains as a new one does."""
     root = tmp_path_factory.mktemp("straight")
-    _run_ok(write_job(root / "job.yaml", tiny_job(root / "out", **RESUME_SETTINGS)))
+    other_hash_seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    job = write_job(root / "job.yaml", tiny_job(root / "out", **RESUME_SETTINGS))
+    result = run_cli("run", str(job), env={**os.environ, "PYTHONHASHSEED": other_hash_seed})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    agent_log = (root / "out" / "logs" / "agent.log").read_text()
+    assert "PYTHONHASHSEED differ from the warm-start process's" in agent_log, agent_log[:2000]
+    assert "starting the agent cold" in agent_log
     return root / "out"
 
 
@@ -183,11 +192,12 @@ def test_async_checkpoints_resume_to_the_same_weights_as_sync_ones(tmp_path: Pat
     assert [r["step"] for r in stalls if r["kind"] == "checkpoint"][-2:] == [15, 16]
 
 
-def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path) -> None:
+def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path, warm_start: WarmStart) -> None:
     """SIGKILL one worker mid-training: torchrun restarts the group (max_restarts=1), the job resumes from
     its last checkpoint, finishes with the straight run's weights, and the dead attempt's log is kept. The
     ranks are forked from one process that imported the trainer (backends/agent.py), the agent's child, and
-    show the command torchrun would have run."""
+    show the command torchrun would have run; the agent is forked from the warm-start process, and leads a
+    session of its own."""
     out = tmp_path / "restarted"
     spec = tiny_job(out, **RESUME_SETTINGS)
     spec["distribution"]["max_restarts"] = 1
@@ -205,7 +215,9 @@ def test_dead_worker_is_restarted_and_resumes(tmp_path: Path, straight_run: Path
         assert f"-m clusterfit.worker --spec {out / 'job.yaml'}" in _cmdline(pid), _cmdline(pid)
     server = _parent(rank0_pid)
     assert _parent(rank1_pid) == server and "multiprocessing.forkserver" in _cmdline(server), _cmdline(server)
-    assert "-m clusterfit.backends.agent" in _cmdline(_parent(server)), _cmdline(_parent(server))
+    agent = _parent(server)
+    assert "-m clusterfit.backends.agent" in _cmdline(agent), _cmdline(agent)
+    assert _parent(agent) == warm_start.pid and os.getsid(agent) == agent
     os.kill(rank1_pid, signal.SIGKILL)
     output, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, output[-3000:]

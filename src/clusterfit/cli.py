@@ -703,6 +703,28 @@ def serve_stop() -> None:
     console.print("the Ray Serve application is removed", markup=False)
 
 
+@app.command("warm-start")
+def warm_start(
+    socket_path: Annotated[
+        Optional[Path],  # noqa: UP045
+        typer.Option("--socket", help="Where to listen; default: a private folder of this account's runtime folder."),
+    ] = None,
+) -> None:
+    """Keep torch, torchvision and the trainer imported, and fork every local job's agent from here.
+
+    Jobs start in a fraction of a second of CPU instead of about 3 s, while `CLUSTERFIT_WARM_START` names the
+    socket in the environment of `clusterfit run`, `clusterfit sweep` or `clusterfit server`. Runs until
+    Ctrl-C or SIGTERM, then ends once the agents it started have ended."""
+    from clusterfit.backends.warm_start import WARM_START_ENV, default_socket_path, serve
+
+    path = (socket_path or default_socket_path()).absolute()
+    errors.print(f"export {WARM_START_ENV}={path}", markup=False, highlight=False)
+    try:
+        serve(path)
+    except ClusterfitError as exc:  # a socket path it cannot use
+        raise _fail(str(exc)) from None
+
+
 @app.command()
 def score(
     model_dir: Annotated[Path, typer.Argument(metavar="MODEL_DIR", help="An exported model folder (a job's model/).")],

@@ -31,7 +31,7 @@ from clusterfit.processes import exit_code_of, exit_without_teardown, long_lived
 
 AGENT_MODULE = "clusterfit.backends.agent"
 TRAINER_MODULE = "clusterfit.worker"
-_TRAINER_MAIN = f"{TRAINER_MODULE}.__main__"
+TRAINER_MAIN = f"{TRAINER_MODULE}.__main__"
 _FORK_SERVER_COMMAND = "from multiprocessing.forkserver import main"
 
 
@@ -41,14 +41,14 @@ def main(argv: list[str] | None = None) -> None:
     # The imports' objects (355,000 with the trainer's) live as long as the agent and every forked rank.
     with long_lived_imports():
         # torch, torchvision and the trainer, imported once for every rank
-        trainer = importlib.import_module(_TRAINER_MAIN) if runs_the_trainer(argv) else None
+        trainer = importlib.import_module(TRAINER_MAIN) if runs_the_trainer(argv) else None
         # NOTE: imported here: the launcher renders this command with the module's names and never imports torch.
         import torch.distributed.run as torchrun
         from torch.distributed.elastic.multiprocessing.errors import record
 
     args = torchrun.parse_args(argv)
     if trainer is not None:
-        multiprocessing.set_forkserver_preload([_TRAINER_MAIN])  # a server not forked from here imports them
+        multiprocessing.set_forkserver_preload([TRAINER_MAIN])  # a server not forked from here imports them
         _fork_the_fork_server()
         args.module, args.run_path = False, True
         args.training_script, args.start_method = trainer.__file__, "forkserver"

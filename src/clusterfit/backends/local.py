@@ -7,10 +7,13 @@ import itertools
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
+from clusterfit.backends.agent import AGENT_MODULE
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
 from clusterfit.backends.job_folder import JobAccount, open_agent_log, put_job_files
@@ -22,6 +25,14 @@ from clusterfit.backends.torchrun import (
     threads_per_worker,
     torchrun_command,
     worker_env,
+)
+from clusterfit.backends.warm_start import (
+    WARM_START_ENV,
+    AgentRequest,
+    WarmAgent,
+    WarmStartUnavailable,
+    own_umask,
+    start_agent,
 )
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, kill_if_same, process_start_time, stop_with_parent
@@ -75,6 +86,11 @@ class LocalBackend:
         # log tailing threads and leaves the agent hanging at exit.
         agent_log = open_agent_log(outputs.root, outputs.agent_log, account)
         with open(agent_log, "a") as agent_log_file:
+            # NOTE: a job of another account (a root server's) always starts cold: it must not share our process.
+            if account is None:
+                warm = _warm_started(rendered.command, env, outputs.root if confined else None, agent_log_file)
+                if warm is not None:
+                    return LocalRun(warm)
             process = subprocess.Popen(
                 rendered.command,
                 env=env,
@@ -99,8 +115,22 @@ class LocalBackend:
             _stop_group(int(ref.id), lambda timeout: _wait_group_gone(ref, timeout))
 
 
+def _warm_started(command: list[str], env: dict[str, str], cwd: Path | None, log: TextIO) -> WarmAgent | None:
+    """The agent forked by `clusterfit warm-start` when CLUSTERFIT_WARM_START names one (backends/warm_start.py);
+    None to start it cold, with the reason in the agent log when a warm start was asked for and failed."""
+    socket_path = os.environ.get(WARM_START_ENV)
+    if not socket_path or command[:3] != [sys.executable, "-m", AGENT_MODULE]:
+        return None
+    request = AgentRequest(command, env, str(cwd or os.getcwd()), own_umask())
+    try:
+        return start_agent(socket_path, request, log)
+    except WarmStartUnavailable as exc:
+        print(f"clusterfit: {exc}; starting the agent cold", file=log, flush=True)
+        return None
+
+
 class LocalRun:
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+    def __init__(self, process: subprocess.Popen[bytes] | WarmAgent) -> None:
         self.process = process
         # The agent leads its own session, so its pid names its process group.
         self.ref = EngineRef("local", str(process.pid), {"start_time": process_start_time(process.pid) or ""})

@@ -1,0 +1,440 @@
+"""Warm starts: one long-lived process on this machine imports torch, torchvision and the trainer once, and every
+local job's agent is forked from it instead of starting as a new interpreter that imports them again.
+
+A job's agent (backends/agent.py) spends about 3 s of CPU importing before it starts a rank, more than a small
+job's training on 2 cores, and a sweep of short trials pays it per trial. `clusterfit warm-start` runs this
+process; `clusterfit run` and the job service fork their local agents from it while CLUSTERFIT_WARM_START names
+its socket. It is the zygote of Android or the daemon of Gradle and Bazel, for torchrun's agent.
+
+The forked agent is the agent torchrun would have started: its own session and process group, the job's
+environment, working folder, umask and log file, its command line as `ps` shows it, then the same
+`agent.main`. What an interpreter or a native library reads only while starting cannot change after the fork:
+a job whose such variables (`load_time_differences`) differ from this process's starts cold, with a line in
+its agent log that says why. So does anything the socket cannot reach or refuses. The launcher keeps its
+connection open for the job's life: the agent's exit code comes back over it, and a launcher that dies closes
+it, which stops the agent as the kernel's parent-death signal does for a cold start.
+
+Only processes of this account may connect (the socket's folder is private, and the peer's uid is checked):
+a job's environment holds its secrets."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import selectors
+import shlex
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, NoReturn
+
+from clusterfit.errors import ClusterfitError
+
+WARM_START_ENV = "CLUSTERFIT_WARM_START"  # the socket of `clusterfit warm-start`; unset: every agent starts cold
+READY_LINE = "warm start ready at "
+
+# What the interpreter and the native libraries under torch read only while starting or loading, and which a
+# forked agent would therefore keep from this process. Named variables and prefixes.
+_READ_AT_START = frozenset(
+    {
+        "PYTHONPATH",
+        "PYTHONHOME",
+        "PYTHONHASHSEED",
+        "PYTHONOPTIMIZE",
+        "PYTHONWARNINGS",
+        "PYTHONDEVMODE",
+        "PYTHONMALLOC",
+        "PYTHONNOUSERSITE",
+        "PYTHONSAFEPATH",
+        "PYTHONUTF8",
+        "PYTHONIOENCODING",
+    }
+)
+_READ_AT_LOAD_PREFIXES = ("LD_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_", "PYTORCH_")
+# ... except these, which the forked agent applies itself (threads, stream buffering) or which torchrun reads
+# only when it runs.
+_APPLIED_AFTER_FORK = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"})
+
+_HEADER = struct.Struct("!I")  # the request's length, sent with the log file's descriptor
+_LARGEST_REQUEST = 1 << 20
+_REQUEST_TIMEOUT_S = 5.0
+_POLL_S = 0.5  # how soon a stop signal is noticed
+
+
+class WarmStartUnavailable(ClusterfitError):
+    """The warm-start process cannot start this job's agent; the agent starts cold instead."""
+
+    retryable = True
+
+
+@dataclass(frozen=True)
+class AgentRequest:
+    """What the launcher sends: the agent's command as `torchrun_command` renders it, and where it runs."""
+
+    command: list[str]
+    env: dict[str, str]
+    cwd: str
+    umask: int
+
+
+def default_socket_path() -> Path:
+    """A socket in a folder only this account can enter: the session's runtime folder, else the temp folder."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return Path(runtime) / f"clusterfit-{os.getuid()}" / "warm-start.sock"
+
+
+def load_time_differences(job_env: Mapping[str, str], own_env: Mapping[str, str]) -> list[str]:
+    """Names of the variables read while starting or loading whose value differs between a job's environment
+    and this process's (set in one, unset in the other counts)."""
+
+    def read_early(name: str) -> bool:
+        if name in _APPLIED_AFTER_FORK:
+            return False
+        return name in _READ_AT_START or name.startswith(_READ_AT_LOAD_PREFIXES)
+
+    names = {name for name in (*job_env, *own_env) if read_early(name)}
+    return sorted(name for name in names if job_env.get(name) != own_env.get(name))
+
+
+def why_cold(request: AgentRequest, own_env: Mapping[str, str], python: str = sys.executable) -> str | None:
+    """Why this process cannot fork the requested agent, or None if it can."""
+    from clusterfit.backends.agent import AGENT_MODULE
+
+    if request.command[:3] != [python, "-m", AGENT_MODULE]:
+        return f"the command is not this Python's agent ({python} -m {AGENT_MODULE})"
+    differing = load_time_differences(request.env, own_env)
+    if differing:
+        return f"{', '.join(differing)} differ from the warm-start process's (read while starting)"
+    return None
+
+
+# --- the launcher's side -------------------------------------------------------------------------------------
+
+
+class WarmAgent:
+    """A forked agent as its launcher sees it, shaped as `subprocess.Popen` is where LocalRun uses one: its
+    pid, and its exit code once the warm-start process reports it."""
+
+    def __init__(self, connection: socket.socket, pid: int) -> None:
+        self._connection = connection
+        self._unread = b""
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read(timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._read(timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout or 0)
+        return self.returncode
+
+    def _read(self, timeout: float | None) -> None:
+        if self.returncode is not None:
+            return
+        self._connection.settimeout(timeout)
+        try:
+            chunk = self._connection.recv(4096)
+        except (BlockingIOError, TimeoutError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            # The warm-start process is gone and the exit code with it: the agent is stopped, as the job of a
+            # launcher whose supervisor died. Retries resume from the last checkpoint.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.returncode = -signal.SIGKILL
+            self._connection.close()
+            return
+        self._unread += chunk
+        if b"\n" in self._unread:
+            self.returncode = int(json.loads(self._unread.split(b"\n", 1)[0])["exit"])
+            self._connection.close()
+
+
+def start_agent(socket_path: str, request: AgentRequest, log: IO[bytes] | IO[str]) -> WarmAgent:
+    """Asks the warm-start process at `socket_path` to fork the agent, writing to `log`; raises
+    WarmStartUnavailable with the reason when it cannot."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.settimeout(_REQUEST_TIMEOUT_S * 2)
+        connection.connect(socket_path)
+        body = json.dumps(request.__dict__).encode()
+        socket.send_fds(connection, [_HEADER.pack(len(body))], [log.fileno()])
+        connection.sendall(body)
+        answer = json.loads(_read_line(connection))
+    except (OSError, ValueError) as exc:
+        connection.close()
+        raise WarmStartUnavailable(f"no warm start at {socket_path}: {exc}") from None
+    if "pid" not in answer:
+        connection.close()
+        raise WarmStartUnavailable(f"the warm-start process starts this job cold: {answer.get('cold', answer)}")
+    return WarmAgent(connection, int(answer["pid"]))
+
+
+def _read_line(connection: socket.socket) -> bytes:
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = connection.recv(4096)
+        if not chunk:
+            raise ValueError("it closed the connection")
+        line += chunk
+    return line
+
+
+def own_umask() -> int:
+    """This process's umask, read without setting it (which would race with other threads' file creation)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    return 0o022
+
+
+# --- the warm-start process ----------------------------------------------------------------------------------
+
+
+def serve(socket_path: Path) -> None:
+    """Imports what agents need, then forks one per request until SIGTERM or SIGINT; then it takes no more
+    and ends once the agents it started have ended (their launchers wait for its reports of their exits)."""
+    from clusterfit.backends import agent
+    from clusterfit.processes import long_lived_imports
+
+    agent.hold_the_process_title()
+    listener = _listen(socket_path)  # first: a socket it cannot use is said at once, not after the imports
+    with long_lived_imports():
+        importlib.import_module(agent.TRAINER_MAIN)
+        import torch.distributed.elastic.multiprocessing.errors  # noqa: F401 - what agent.main imports
+        import torch.distributed.run  # noqa: F401
+
+    stopping: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "listener")
+    agents: dict[int, _Agent] = {}
+    print(f"{READY_LINE}{socket_path}", flush=True)
+    try:
+        while listener.fileno() >= 0 or agents:
+            if stopping and listener.fileno() >= 0:
+                selector.unregister(listener)
+                listener.close()
+                socket_path.unlink(missing_ok=True)
+            for key, _ in selector.select(_POLL_S):
+                if key.data == "listener":
+                    _accept(listener, selector, agents)
+                else:
+                    key.data(selector, agents)
+    finally:
+        listener.close()
+        socket_path.unlink(missing_ok=True)
+
+
+def _listen(socket_path: Path) -> socket.socket:
+    folder = socket_path.parent
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o077:
+        raise ClusterfitError(f"{folder}: not a private folder of this account; pick --socket in one that is")
+    if len(os.fsencode(socket_path)) > 107:
+        raise ClusterfitError(f"{socket_path}: longer than a Unix socket path may be (107 bytes); pick a shorter one")
+    socket_path.unlink(missing_ok=True)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.fspath(socket_path))
+    os.chmod(socket_path, 0o600)
+    listener.listen(64)
+    return listener
+
+
+@dataclass
+class _Agent:
+    """A forked agent and its launcher's connection, until the exit code is sent."""
+
+    pid: int
+    pidfd: int
+    connection: socket.socket | None
+
+    def exited(self, selector: selectors.BaseSelector, agents: dict[int, _Agent]) -> None:
+        _, status = os.waitpid(self.pid, 0)
+        selector.unregister(self.pidfd)
+        os.close(self.pidfd)
+        del agents[self.pid]
+        if self.connection is not None:
+            with contextlib.suppress(OSError):
+                self.connection.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+            self._forget_launcher(selector)
+
+    def launcher_left(self, selector: selectors.BaseSelector, agents: dict[int, _Agent]) -> None:
+        """The launcher closed its end (it ended, or was killed): the agent gets SIGTERM, as a cold agent gets
+        from the kernel when its launcher dies, and stops its workers."""
+        if self.connection is not None and self.connection.recv(1) == b"":
+            self._forget_launcher(selector)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
+
+    def _forget_launcher(self, selector: selectors.BaseSelector) -> None:
+        if self.connection is not None:
+            selector.unregister(self.connection)
+            self.connection.close()
+            self.connection = None
+
+
+def _accept(listener: socket.socket, selector: selectors.BaseSelector, agents: dict[int, _Agent]) -> None:
+    connection, _ = listener.accept()
+    log_fd = None
+    try:
+        if _peer_uid(connection) != os.getuid():
+            raise PermissionError("another account's process")
+        connection.settimeout(_REQUEST_TIMEOUT_S)
+        request, log_fd = _receive(connection)
+        refusal = why_cold(request, os.environ)
+        if refusal is not None:
+            connection.sendall(json.dumps({"cold": refusal}).encode() + b"\n")
+            connection.close()
+            return
+        pid = os.fork()
+        if pid == 0:
+            _become_agent(request, log_fd, keep_nothing_of=[listener, connection, *agents.values()], selector=selector)
+    except (OSError, ValueError, KeyError, TypeError):
+        connection.close()  # a launcher that cannot be answered starts its agent cold
+        return
+    finally:
+        if log_fd is not None:
+            os.close(log_fd)
+    started = _Agent(pid, os.pidfd_open(pid), connection)
+    agents[pid] = started
+    selector.register(started.pidfd, selectors.EVENT_READ, started.exited)
+    try:
+        connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except OSError:  # the launcher left before it knew the agent: stop it as if it had left after
+        connection.close()
+        started.connection = None
+        os.kill(pid, signal.SIGTERM)
+        return
+    connection.setblocking(False)
+    selector.register(connection, selectors.EVENT_READ, started.launcher_left)
+
+
+def _peer_uid(connection: socket.socket) -> int:
+    credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", credentials)[1]
+
+
+def _receive(connection: socket.socket) -> tuple[AgentRequest, int]:
+    header, fds, _, _ = socket.recv_fds(connection, _HEADER.size, 1)
+    if len(header) != _HEADER.size or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("a request without its header and log file")
+    (length,) = _HEADER.unpack(header)
+    if length > _LARGEST_REQUEST:
+        os.close(fds[0])
+        raise ValueError("a request too large")
+    body = b""
+    while len(body) < length:
+        chunk = connection.recv(length - len(body))
+        if not chunk:
+            os.close(fds[0])
+            raise ValueError("a request cut short")
+        body += chunk
+    fields = json.loads(body)
+    request = AgentRequest(
+        command=[str(arg) for arg in fields["command"]],
+        env={str(name): str(value) for name, value in fields["env"].items()},
+        cwd=str(fields["cwd"]),
+        umask=int(fields["umask"]),
+    )
+    return request, fds[0]
+
+
+def _become_agent(
+    request: AgentRequest,
+    log_fd: int,
+    *,
+    keep_nothing_of: list[socket.socket | _Agent],
+    selector: selectors.BaseSelector,
+) -> NoReturn:
+    """In the forked child: the agent's process, as `LocalBackend` would have started it, then `agent.main`."""
+    code = 1
+    try:
+        os.setsid()  # its own session and process group, which its pid names: how cancels reach its helpers
+        for sig in (signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        selector.close()
+        for held in keep_nothing_of:
+            if isinstance(held, _Agent):
+                os.close(held.pidfd)
+                held = held.connection  # noqa: PLW2901
+            if held is not None:
+                held.close()
+        _standard_streams(log_fd)
+        os.chdir(request.cwd)
+        os.umask(request.umask)
+        os.environ.clear()
+        os.environ.update(request.env)
+        code = _run_agent(request.command)
+    except BaseException:  # noqa: BLE001 - reported in the job's agent log, which the launcher shows
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        from clusterfit.processes import exit_without_teardown
+
+        exit_without_teardown(code)
+
+
+def _standard_streams(log_fd: int) -> None:
+    """stdin from /dev/null, stdout and stderr to the job's agent log, buffered as the job's environment says."""
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+
+    def writer(fd: int, errors: str) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        return io.TextIOWrapper(
+            raw if unbuffered else io.BufferedWriter(raw),
+            encoding=sys.stdout.encoding,
+            errors=errors,
+            line_buffering=not unbuffered,
+            write_through=unbuffered,
+        )
+
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
+    sys.stdout = sys.__stdout__ = writer(1, "strict")
+    sys.stderr = sys.__stderr__ = writer(2, "backslashreplace")
+
+
+def _run_agent(command: list[str]) -> int:
+    import setproctitle
+    import torch
+
+    from clusterfit.backends import agent
+    from clusterfit.backends.torchrun import THREADS_ENV
+    from clusterfit.processes import exit_code_of
+
+    threads = os.environ.get(THREADS_ENV)
+    if threads:
+        torch.set_num_threads(int(threads))  # OpenMP read this process's value when it loaded
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # as a new interpreter's would be; Python's own reseeds at fork
+    args = command[3:]
+    sys.argv = [agent.__file__, *args]
+    sys.path[0] = os.getcwd()  # as `python -m` puts it
+    setproctitle.setproctitle(shlex.join(command))
+    return exit_code_of(lambda: agent.main(args))

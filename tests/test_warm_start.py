@@ -1,0 +1,143 @@
+"""Warm starts (`clusterfit warm-start`): local agents forked from one process that imported torch once.
+
+Most of the suite's local jobs start this way (conftest's `warm_start`); these tests cover what those do not:
+what must start cold, how the process ends, and who may use it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import (
+    cli_command,
+    processes_mentioning,
+    run_cli,
+    tiny_job,
+    wait_for,
+    wait_for_first_checkpoint,
+    write_job,
+)
+
+from clusterfit.backends.agent import AGENT_MODULE
+from clusterfit.backends.warm_start import (
+    READY_LINE,
+    WARM_START_ENV,
+    AgentRequest,
+    WarmStartUnavailable,
+    load_time_differences,
+    start_agent,
+    why_cold,
+)
+
+
+def test_variables_read_while_starting_must_match_and_the_rest_may_differ() -> None:
+    own = {"PATH": "/bin", "OMP_WAIT_POLICY": "PASSIVE", "OMP_NUM_THREADS": "2", "PYTHONPATH": "/src"}
+    same_start = {**own, "PATH": "/usr/bin", "OMP_NUM_THREADS": "1", "CLUSTERFIT_FAULT": "x", "HOME": "/job"}
+    assert load_time_differences(same_start, own) == []  # threads are set after the fork; the rest is read later
+    other = {**same_start, "OMP_WAIT_POLICY": "ACTIVE", "LD_PRELOAD": "/lib/x.so", "TORCH_LOGS": "dynamo"}
+    del other["PYTHONPATH"]
+    assert load_time_differences(other, own) == ["LD_PRELOAD", "OMP_WAIT_POLICY", "PYTHONPATH", "TORCH_LOGS"]
+
+    agent = [sys.executable, "-m", AGENT_MODULE, "--standalone"]
+    assert why_cold(AgentRequest(agent, own, "/", 0o022), own) is None
+    another_python = AgentRequest(["/usr/bin/python3", *agent[1:]], own, "/", 0o022)
+    assert "not this Python's agent" in why_cold(another_python, own)
+    assert "OMP_WAIT_POLICY differ" in why_cold(AgentRequest(agent, {**own, "OMP_WAIT_POLICY": "x"}, "/", 0), own)
+
+
+@pytest.fixture
+def own_warm_start(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    """A warm-start process of the test's own, to stop or kill."""
+    socket_path = tmp_path / "private" / "agents.sock"
+    process = subprocess.Popen(
+        cli_command("warm-start", "--socket", str(socket_path)), stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None and process.stdout.readline().startswith(READY_LINE)
+    yield process, socket_path
+    if process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def _paced_job(tmp_path: Path, socket_path: Path) -> tuple[subprocess.Popen[str], Path]:
+    """A 2-rank job through the given warm start, paced to run for about 10 s, once it has a checkpoint."""
+    out = tmp_path / "out"
+    job = tiny_job(out, steps_per_epoch=40, checkpoint={"every_steps": 2, "keep": 2, "min_interval_s": 0})
+    job["environment_variables"] = {"CLUSTERFIT_FAULT": "slow:rank=0:step=1:seconds=0.25"}
+    env = {**os.environ, WARM_START_ENV: str(socket_path), "COLUMNS": "200"}
+    launcher = subprocess.Popen(
+        cli_command("run", str(write_job(tmp_path / "job.yaml", job))),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for_first_checkpoint(out, launcher)
+    return launcher, out
+
+
+def test_a_stopped_warm_start_takes_no_more_jobs_and_ends_after_its_last_one(
+    tmp_path: Path, own_warm_start: tuple[subprocess.Popen[str], Path]
+) -> None:
+    """SIGTERM: the socket goes at once (a new job would start cold), the running job trains to its end,
+    and the process ends with it."""
+    process, socket_path = own_warm_start
+    launcher, out = _paced_job(tmp_path, socket_path)
+    process.send_signal(signal.SIGTERM)
+    wait_for(lambda: not socket_path.exists(), 5, "the socket to be removed")
+    with pytest.raises(WarmStartUnavailable, match="no warm start at"), open(os.devnull, "w") as log:
+        start_agent(str(socket_path), AgentRequest([sys.executable], {}, "/", 0o022), log)
+    assert process.poll() is None, "it must wait for the job it started"
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, output[-3000:]
+    assert (out / "model" / "model.safetensors").exists()
+    assert process.wait(30) == 0
+
+
+def test_a_killed_warm_start_stops_its_jobs_which_resume_from_their_checkpoint(
+    tmp_path: Path, own_warm_start: tuple[subprocess.Popen[str], Path]
+) -> None:
+    """SIGKILL: the agents' exit codes are lost with it, so their launchers stop the jobs, leaving nothing
+    running, and a rerun (cold: the warm start is gone) resumes from the last checkpoint."""
+    process, socket_path = own_warm_start
+    launcher, out = _paced_job(tmp_path, socket_path)
+    process.kill()
+    output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode != 0, output[-3000:]
+    wait_for(lambda: not processes_mentioning(str(out)), 30, "the job's processes to end")
+    assert not (out / "model").exists()
+    rerun = run_cli("run", str(tmp_path / "job.yaml"), env={**os.environ, WARM_START_ENV: str(socket_path)})
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert "resuming from" in rerun.stdout
+    assert "no warm start at" in (out / "logs" / "agent.log").read_text()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to try as another account")
+def test_only_its_own_account_may_connect(warm_start) -> None:  # noqa: ANN001 - conftest's WarmStart
+    """The socket and its folder are the account's alone: a job's environment, secrets included, goes through."""
+    assert warm_start.socket.stat().st_mode & 0o777 == 0o600
+    assert warm_start.socket.parent.stat().st_mode & 0o077 == 0
+    probe = (
+        "import os, socket, sys\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "try:\n    s.connect(sys.argv[1])\nexcept PermissionError:\n    print('refused')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe, str(warm_start.socket)], capture_output=True, text=True)
+    assert result.stdout.strip() == "refused", result.stdout + result.stderr
+
+
+def test_a_socket_in_a_shared_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    result = run_cli("warm-start", "--socket", str(shared / "agents.sock"), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: {shared}: not a private folder of this account; pick --socket in one that is"
+    ), result.stderr
