@@ -83,7 +83,7 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     result = run_cli("run", str(job), env={**os.environ, "PYTHONHASHSEED": other_hash_seed})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     agent_log = (root / "out" / "logs" / "agent.log").read_text()
-    assert "PYTHONHASHSEED differ from the warm-start process's" in agent_log, agent_log[:2000]
+    assert "PYTHONHASHSEED differs from the warm-start process's" in agent_log, agent_log[:2000]
     assert "starting the agent cold" in agent_log
     return root / "out"
 

@@ -218,7 +218,7 @@ def test_a_rank_that_runs_out_of_memory_is_named_oom(tmp_path: Path) -> None:
     # The job's processes take about 1.5 GiB; rank 1 then takes memory until the kernel's OOM killer, acting
     # on the cgroup's limit, picks the biggest process: itself.
     with memory_limited(3 << 30) as prefix:
-        job_id, _ = _submit(
+        job_id, out = _submit(
             tmp_path,
             prefix=prefix,
             trainer={"steps_per_epoch": 50},
@@ -228,12 +228,14 @@ def test_a_rank_that_runs_out_of_memory_is_named_oom(tmp_path: Path) -> None:
     status = _status(job_id)
     assert "cause: killed by the OOM killer (OOM)" in status, status
     assert "rank 1 killed by the kernel's OOM killer" in status and "lower trainer.batch_size" in status
+    # A warm start would have put the agent outside the limited cgroup.
+    assert "the launcher's cgroup differs" in (out / "logs" / "agent.log").read_text()
 
 
 @pytest.mark.skipif(bool(small_shm_missing()), reason=str(small_shm_missing()))
 def test_a_dataloader_out_of_shared_memory_is_named(tmp_path: Path, tiny_imagefolder: Path) -> None:
     # A batch of 8 images of 64 px is 384 KiB: more than the whole /dev/shm the job gets.
-    job_id, _ = _submit(
+    job_id, out = _submit(
         tmp_path,
         prefix=small_shm(256 << 10),
         trainer={
@@ -250,6 +252,8 @@ def test_a_dataloader_out_of_shared_memory_is_named(tmp_path: Path, tiny_imagefo
     status = _status(job_id)
     assert "cause: out of shared memory (SHM)" in status, status
     assert "out of shared memory (/dev/shm)" in status
+    # A warm start would have put the agent outside the private /dev/shm's mount namespace.
+    assert "the launcher's mnt namespace differs" in (out / "logs" / "agent.log").read_text()
 
 
 def test_a_failed_attempt_is_retried_from_its_last_checkpoint(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from clusterfit.backends.warm_start import (
     AgentRequest,
     WarmStartUnavailable,
     load_time_differences,
+    process_context,
     start_agent,
     why_cold,
 )
@@ -44,10 +45,17 @@ def test_variables_read_while_starting_must_match_and_the_rest_may_differ() -> N
     assert load_time_differences(other, own) == ["LD_PRELOAD", "OMP_WAIT_POLICY", "PYTHONPATH", "TORCH_LOGS"]
 
     agent = [sys.executable, "-m", AGENT_MODULE, "--standalone"]
-    assert why_cold(AgentRequest(agent, own, "/", 0o022), own) is None
-    another_python = AgentRequest(["/usr/bin/python3", *agent[1:]], own, "/", 0o022)
-    assert "not this Python's agent" in why_cold(another_python, own)
-    assert "OMP_WAIT_POLICY differ" in why_cold(AgentRequest(agent, {**own, "OMP_WAIT_POLICY": "x"}, "/", 0), own)
+    context = process_context()
+    assert why_cold(AgentRequest(agent, own, "/", 0o022, [0], context), own, context) is None
+    another_python = AgentRequest(["/usr/bin/python3", *agent[1:]], own, "/", 0o022, [0], context)
+    assert "not this Python's agent" in why_cold(another_python, own, context)
+    other_env = AgentRequest(agent, {**own, "OMP_WAIT_POLICY": "x"}, "/", 0, [0], context)
+    assert "OMP_WAIT_POLICY differs from" in why_cold(other_env, own, context)
+    limited = {**context, "RLIMIT_NOFILE": "(64, 64)", "cgroup": "0::/limited\n"}
+    launched_in_a_limit = AgentRequest(agent, own, "/", 0o022, [0], limited)
+    assert why_cold(launched_in_a_limit, own, context) == (
+        "the launcher's RLIMIT_NOFILE, cgroup differ from the warm-start process's"
+    )
 
 
 @pytest.fixture
@@ -91,7 +99,7 @@ def test_a_stopped_warm_start_takes_no_more_jobs_and_ends_after_its_last_one(
     process.send_signal(signal.SIGTERM)
     wait_for(lambda: not socket_path.exists(), 5, "the socket to be removed")
     with pytest.raises(WarmStartUnavailable, match="no warm start at"), open(os.devnull, "w") as log:
-        start_agent(str(socket_path), AgentRequest([sys.executable], {}, "/", 0o022), log)
+        start_agent(str(socket_path), AgentRequest([sys.executable], {}, "/", 0o022, [0], {}), log)
     assert process.poll() is None, "it must wait for the job it started"
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, output[-3000:]

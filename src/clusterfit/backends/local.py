@@ -32,6 +32,7 @@ from clusterfit.backends.warm_start import (
     WarmAgent,
     WarmStartUnavailable,
     own_umask,
+    process_context,
     start_agent,
 )
 from clusterfit.outputs import JobOutputs
@@ -121,7 +122,8 @@ def _warm_started(command: list[str], env: dict[str, str], cwd: Path | None, log
     socket_path = os.environ.get(WARM_START_ENV)
     if not socket_path or command[:3] != [sys.executable, "-m", AGENT_MODULE]:
         return None
-    request = AgentRequest(command, env, str(cwd or os.getcwd()), own_umask())
+    cpus = sorted(os.sched_getaffinity(0))
+    request = AgentRequest(command, env, str(cwd or os.getcwd()), own_umask(), cpus, process_context())
     try:
         return start_agent(socket_path, request, log)
     except WarmStartUnavailable as exc:

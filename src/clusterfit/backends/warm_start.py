@@ -24,6 +24,7 @@ import importlib
 import io
 import json
 import os
+import resource
 import selectors
 import shlex
 import signal
@@ -84,6 +85,8 @@ class AgentRequest:
     env: dict[str, str]
     cwd: str
     umask: int
+    cpus: list[int]  # the launcher's CPU affinity, which the agent takes
+    context: dict[str, str]  # what else it inherits, which must be this process's (process_context)
 
 
 def default_socket_path() -> Path:
@@ -105,7 +108,36 @@ def load_time_differences(job_env: Mapping[str, str], own_env: Mapping[str, str]
     return sorted(name for name in names if job_env.get(name) != own_env.get(name))
 
 
-def why_cold(request: AgentRequest, own_env: Mapping[str, str], python: str = sys.executable) -> str | None:
+_STATUS_FIELDS = ("Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
+
+
+def process_context() -> dict[str, str]:
+    """What a process passes to the processes it starts besides their environment, folder and umask, and which a
+    forked agent would take from the warm-start process instead of its launcher: the namespaces (a container,
+    a private /dev/shm), the cgroup (a memory or CPU limit), the root folder, resource limits, groups,
+    capabilities and niceness. A launcher whose context differs gets a cold start, so a job is never
+    confined less than its launcher."""
+    proc = Path("/proc/self")
+    context = {f"{name} namespace": os.readlink(proc / "ns" / name) for name in sorted(os.listdir(proc / "ns"))}
+    context["cgroup"] = (proc / "cgroup").read_text()
+    context["root folder"] = os.readlink(proc / "root")
+    for name in sorted(dir(resource)):
+        if name.startswith("RLIMIT_"):
+            context[name] = str(resource.getrlimit(getattr(resource, name)))
+    for line in (proc / "status").read_text().splitlines():
+        field, _, value = line.partition(":")
+        if field in _STATUS_FIELDS:
+            context[field] = value.strip()
+    context["niceness"] = str(os.getpriority(os.PRIO_PROCESS, 0))
+    return context
+
+
+def why_cold(
+    request: AgentRequest,
+    own_env: Mapping[str, str],
+    own_context: Mapping[str, str],
+    python: str = sys.executable,
+) -> str | None:
     """Why this process cannot fork the requested agent, or None if it can."""
     from clusterfit.backends.agent import AGENT_MODULE
 
@@ -113,8 +145,16 @@ def why_cold(request: AgentRequest, own_env: Mapping[str, str], python: str = sy
         return f"the command is not this Python's agent ({python} -m {AGENT_MODULE})"
     differing = load_time_differences(request.env, own_env)
     if differing:
-        return f"{', '.join(differing)} differ from the warm-start process's (read while starting)"
+        return f"{_differ(differing)} from the warm-start process's (read while starting)"
+    keys = {*request.context, *own_context}
+    differing = sorted(key for key in keys if request.context.get(key) != own_context.get(key))
+    if differing:
+        return f"the launcher's {_differ(differing)} from the warm-start process's"
     return None
+
+
+def _differ(names: list[str]) -> str:
+    return f"{', '.join(names)} {'differs' if len(names) == 1 else 'differ'}"
 
 
 # --- the launcher's side -------------------------------------------------------------------------------------
@@ -298,7 +338,7 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector, agents: d
             raise PermissionError("another account's process")
         connection.settimeout(_REQUEST_TIMEOUT_S)
         request, log_fd = _receive(connection)
-        refusal = why_cold(request, os.environ)
+        refusal = why_cold(request, os.environ, process_context())
         if refusal is not None:
             connection.sendall(json.dumps({"cold": refusal}).encode() + b"\n")
             connection.close()
@@ -354,6 +394,8 @@ def _receive(connection: socket.socket) -> tuple[AgentRequest, int]:
         env={str(name): str(value) for name, value in fields["env"].items()},
         cwd=str(fields["cwd"]),
         umask=int(fields["umask"]),
+        cpus=[int(cpu) for cpu in fields["cpus"]],
+        context={str(key): str(value) for key, value in fields["context"].items()},
     )
     return request, fds[0]
 
@@ -382,6 +424,7 @@ def _become_agent(
         _standard_streams(log_fd)
         os.chdir(request.cwd)
         os.umask(request.umask)
+        os.sched_setaffinity(0, request.cpus)
         os.environ.clear()
         os.environ.update(request.env)
         code = _run_agent(request.command)
