@@ -33,12 +33,22 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, NoReturn
 
 from clusterfit.errors import ClusterfitError
+from clusterfit.processes import (
+    exit_code_of,
+    exit_without_teardown,
+    is_running,
+    kill_if_same,
+    long_lived_imports,
+    process_start_time,
+)
 
 WARM_START_ENV = "CLUSTERFIT_WARM_START"  # the socket of `clusterfit warm-start`; unset: every agent starts cold
 READY_LINE = "warm start ready at "
@@ -68,7 +78,6 @@ _APPLIED_AFTER_FORK = frozenset({"OMP_NUM_THREADS", "PYTHONUNBUFFERED", "TORCH_D
 _HEADER = struct.Struct("!I")  # the request's length, sent with the log file's descriptor
 _LARGEST_REQUEST = 1 << 20
 _REQUEST_TIMEOUT_S = 5.0
-_POLL_S = 0.5  # how soon a stop signal is noticed
 
 
 class WarmStartUnavailable(ClusterfitError):
@@ -167,6 +176,8 @@ class WarmAgent:
     def __init__(self, connection: socket.socket, pid: int) -> None:
         self._connection = connection
         self._unread = b""
+        self._start_time = process_start_time(pid) or ""
+        self._orphaned = False
         self.pid = pid
         self.returncode: int | None = None
 
@@ -176,13 +187,23 @@ class WarmAgent:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._read(timeout)
+        while self._orphaned and self.returncode is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+            self._read(0)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout or 0)
         return self.returncode
 
     def _read(self, timeout: float | None) -> None:
         if self.returncode is not None:
+            return
+        if self._orphaned:
+            if not is_running(self.pid, self._start_time):
+                self.returncode = -signal.SIGTERM
             return
         self._connection.settimeout(timeout)
         try:
@@ -192,12 +213,12 @@ class WarmAgent:
         except OSError:
             chunk = b""
         if not chunk:
-            # The warm-start process is gone and the exit code with it: the agent is stopped, as the job of a
-            # launcher whose supervisor died. Retries resume from the last checkpoint.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.pid, signal.SIGKILL)
-            self.returncode = -signal.SIGKILL
+            # The warm-start process is gone, and the exit code with it: the agent is stopped as a cold one is
+            # when its launcher dies (SIGTERM: torchrun stops its workers), and the job fails once it has
+            # ended. A retry or a rerun resumes from the last checkpoint.
             self._connection.close()
+            self._orphaned = True
+            kill_if_same(self.pid, self._start_time, signal.SIGTERM)
             return
         self._unread += chunk
         if b"\n" in self._unread:
@@ -250,31 +271,40 @@ def serve(socket_path: Path) -> None:
     """Imports what agents need, then forks one per request until SIGTERM or SIGINT; then it takes no more
     and ends once the agents it started have ended (their launchers wait for its reports of their exits)."""
     from clusterfit.backends import agent
-    from clusterfit.processes import long_lived_imports
 
     agent.hold_the_process_title()
-    listener = _listen(socket_path)  # first: a socket it cannot use is said at once, not after the imports
+    _check_socket_path(socket_path)  # a socket it cannot use is said at once, not after the imports
     with long_lived_imports():
         importlib.import_module(agent.TRAINER_MAIN)
         import torch.distributed.elastic.multiprocessing.errors  # noqa: F401 - what agent.main imports
         import torch.distributed.run  # noqa: F401
+    # NOTE: listening only now: a launcher that came during the imports would have waited for them, given up
+    # and started cold, and the agent forked for it later would have run the same job twice.
+    listener = _listen(socket_path)
 
-    stopping: list[int] = []
+    # A stop signal wakes the loop at once through this pair; its handler does nothing else.
+    stop_signals, signal_writer = socket.socketpair()
+    signal_writer.setblocking(False)
+    signal.set_wakeup_fd(signal_writer.fileno())
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: stopping.append(signum))
+        signal.signal(sig, lambda _signum, _frame: None)
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "listener")
+    selector.register(stop_signals, selectors.EVENT_READ, "stop")
     agents: dict[int, _Agent] = {}
+    own = [listener, stop_signals, signal_writer]
     print(f"{READY_LINE}{socket_path}", flush=True)
     try:
         while listener.fileno() >= 0 or agents:
-            if stopping and listener.fileno() >= 0:
-                selector.unregister(listener)
-                listener.close()
-                socket_path.unlink(missing_ok=True)
-            for key, _ in selector.select(_POLL_S):
-                if key.data == "listener":
-                    _accept(listener, selector, agents)
+            for key, _ in selector.select():
+                if key.data == "stop":
+                    stop_signals.recv(64)
+                    if listener.fileno() >= 0:  # new jobs start cold from now on; running ones go on
+                        selector.unregister(listener)
+                        listener.close()
+                        socket_path.unlink(missing_ok=True)
+                elif key.data == "listener":
+                    _accept(listener, selector, agents, own)
                 else:
                     key.data(selector, agents)
     finally:
@@ -282,14 +312,17 @@ def serve(socket_path: Path) -> None:
         socket_path.unlink(missing_ok=True)
 
 
-def _listen(socket_path: Path) -> socket.socket:
+def _check_socket_path(socket_path: Path) -> None:
     folder = socket_path.parent
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o077:
         raise ClusterfitError(f"{folder}: not a private folder of this account; pick --socket in one that is")
     if len(os.fsencode(socket_path)) > 107:
         raise ClusterfitError(f"{socket_path}: longer than a Unix socket path may be (107 bytes); pick a shorter one")
-    socket_path.unlink(missing_ok=True)
+
+
+def _listen(socket_path: Path) -> socket.socket:
+    socket_path.unlink(missing_ok=True)  # a socket its previous run left
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.fspath(socket_path))
     os.chmod(socket_path, 0o600)
@@ -330,7 +363,12 @@ class _Agent:
             self.connection = None
 
 
-def _accept(listener: socket.socket, selector: selectors.BaseSelector, agents: dict[int, _Agent]) -> None:
+def _accept(
+    listener: socket.socket,
+    selector: selectors.BaseSelector,
+    agents: dict[int, _Agent],
+    own: list[socket.socket],
+) -> None:
     connection, _ = listener.accept()
     log_fd = None
     try:
@@ -345,7 +383,7 @@ def _accept(listener: socket.socket, selector: selectors.BaseSelector, agents: d
             return
         pid = os.fork()
         if pid == 0:
-            _become_agent(request, log_fd, keep_nothing_of=[listener, connection, *agents.values()], selector=selector)
+            _become_agent(request, log_fd, keep_nothing_of=[*own, connection, *agents.values()], selector=selector)
     except (OSError, ValueError, KeyError, TypeError):
         connection.close()  # a launcher that cannot be answered starts its agent cold
         return
@@ -411,8 +449,8 @@ def _become_agent(
     code = 1
     try:
         os.setsid()  # its own session and process group, which its pid names: how cancels reach its helpers
-        for sig in (signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         selector.close()
         for held in keep_nothing_of:
@@ -429,12 +467,8 @@ def _become_agent(
         os.environ.update(request.env)
         code = _run_agent(request.command)
     except BaseException:  # noqa: BLE001 - reported in the job's agent log, which the launcher shows
-        import traceback
-
         traceback.print_exc()
     finally:
-        from clusterfit.processes import exit_without_teardown
-
         exit_without_teardown(code)
 
 
@@ -469,7 +503,6 @@ def _run_agent(command: list[str]) -> int:
 
     from clusterfit.backends import agent
     from clusterfit.backends.torchrun import THREADS_ENV
-    from clusterfit.processes import exit_code_of
 
     threads = os.environ.get(THREADS_ENV)
     if threads:
