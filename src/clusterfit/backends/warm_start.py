@@ -6,11 +6,12 @@ job's training on 2 cores, and a sweep of short trials pays it per trial. `clust
 process; `clusterfit run` and the job service fork their local agents from it while CLUSTERFIT_WARM_START names
 its socket. It is the zygote of Android or the daemon of Gradle and Bazel, for torchrun's agent.
 
-The forked agent is the agent torchrun would have started: its own session and process group, the job's
-environment, working folder, umask and log file, its command line as `ps` shows it, then the same
-`agent.main`. What an interpreter or a native library reads only while starting cannot change after the fork:
-a job whose such variables (`load_time_differences`) differ from this process's starts cold, with a line in
-its agent log that says why. So does anything the socket cannot reach or refuses. The launcher keeps its
+The forked agent is the agent the launcher would have started: its own session and process group, the job's
+environment, working folder, umask, CPU affinity and log file, its command line as `ps` shows it, then the
+same `agent.main`. What cannot change after the fork starts cold, with a line in the agent log that says why:
+a job whose variables read while starting (`load_time_differences`) differ from this process's, and a
+launcher in another namespace, cgroup or limit (`process_context`), whose job must stay confined as its
+launcher is. So does any job the socket cannot reach. The launcher keeps its
 connection open for the job's life: the agent's exit code comes back over it, and a launcher that dies closes
 it, which stops the agent as the kernel's parent-death signal does for a cold start.
 
