@@ -307,7 +307,10 @@ def serve(socket_path: Path) -> None:
                 elif key.data == "listener":
                     _accept(listener, selector, agents, own)
                 else:
-                    key.data(selector, agents)
+                    try:
+                        key.data(selector, agents)
+                    except OSError:  # one launcher's or agent's trouble never ends the others' jobs
+                        traceback.print_exc()
     finally:
         listener.close()
         socket_path.unlink(missing_ok=True)
@@ -352,7 +355,15 @@ class _Agent:
     def launcher_left(self, selector: selectors.BaseSelector, agents: dict[int, _Agent]) -> None:
         """The launcher closed its end (it ended, or was killed): the agent gets SIGTERM, as a cold agent gets
         from the kernel when its launcher dies, and stops its workers."""
-        if self.connection is not None and self.connection.recv(1) == b"":
+        if self.connection is None:
+            return
+        try:
+            left = self.connection.recv(1) == b""
+        except BlockingIOError:
+            return
+        except OSError:  # reset: gone as well
+            left = True
+        if left:
             self._forget_launcher(selector)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGTERM)
@@ -370,7 +381,10 @@ def _accept(
     agents: dict[int, _Agent],
     own: list[socket.socket],
 ) -> None:
-    connection, _ = listener.accept()
+    try:
+        connection, _ = listener.accept()
+    except OSError:  # out of descriptors, or the launcher gave up already: it starts its agent cold
+        return
     log_fd = None
     try:
         if _peer_uid(connection) != os.getuid():
