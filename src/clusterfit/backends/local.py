@@ -122,11 +122,12 @@ def _warm_started(command: list[str], env: dict[str, str], cwd: Path | None, log
     socket_path = os.environ.get(WARM_START_ENV)
     if not socket_path or command[:3] != [sys.executable, "-m", AGENT_MODULE]:
         return None
-    cpus = sorted(os.sched_getaffinity(0))
-    request = AgentRequest(command, env, str(cwd or os.getcwd()), own_umask(), cpus, process_context())
     try:
+        folder = os.path.abspath(cwd or os.getcwd())  # where Popen would start it: relative to this process
+        cpus = sorted(os.sched_getaffinity(0))
+        request = AgentRequest(command, env, folder, own_umask(), cpus, process_context())
         return start_agent(socket_path, request, log)
-    except WarmStartUnavailable as exc:
+    except (OSError, WarmStartUnavailable) as exc:  # OSError: this process's folder is gone, which Popen allows
         print(f"clusterfit: {exc}; starting the agent cold", file=log, flush=True)
         return None
 
