@@ -239,7 +239,7 @@ class WarmStart:
 def warm_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmStart]:
     """`clusterfit warm-start`, one per test worker, named in the environment of every process the tests start:
     local jobs' agents fork from it (backends/warm_start.py), as a user's do who runs one, instead of each
-    importing torch again. Jobs that must start cold say so (`cold_env`); jobs of other engines always do."""
+    importing torch again. What must start cold still does (docs/testing.md), and jobs of other engines always do."""
     socket_path = tmp_path_factory.mktemp("warm") / "agents.sock"
     command = cli_command("warm-start", "--socket", str(socket_path))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
@@ -255,11 +255,6 @@ def warm_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmStart]:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-def cold_env(**extra: str) -> dict[str, str]:
-    """This process's environment without the warm start: a job run in it starts its agent as a new interpreter."""
-    return {**{name: value for name, value in os.environ.items() if name != WARM_START_ENV}, **extra}
 
 
 @pytest.fixture(autouse=True)
