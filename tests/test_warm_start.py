@@ -140,6 +140,24 @@ def test_only_its_own_account_may_connect(warm_start) -> None:  # noqa: ANN001 -
     assert result.stdout.strip() == "refused", result.stdout + result.stderr
 
 
+def test_a_socket_path_it_must_not_take_is_refused_in_one_line(tmp_path: Path, warm_start) -> None:  # noqa: ANN001
+    """A file of the user's is never deleted to make room, and a running warm start is never taken over."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    notes = private / "notes.txt"
+    notes.write_text("mine\n")
+    result = run_cli("warm-start", "--socket", str(notes), timeout=60)
+    assert result.returncode == 2 and notes.read_text() == "mine\n"
+    refusal = result.stderr.strip().splitlines()[-1]
+    assert refusal == f"error: {notes}: exists and is not a socket (kept); pick another --socket", result.stderr
+    result = run_cli("warm-start", "--socket", str(warm_start.socket), timeout=60)
+    assert result.returncode == 2
+    assert "another warm-start process listens there" in result.stderr.strip().splitlines()[-1], result.stderr
+    # Still answering: asked for another Python's agent, it says why not.
+    with open(os.devnull, "w") as log, pytest.raises(WarmStartUnavailable, match="not this Python's agent"):
+        start_agent(str(warm_start.socket), AgentRequest(["/bin/true"], {}, "/", 0o022, [0], {}), log)
+
+
 def test_a_socket_in_a_shared_folder_is_refused_in_one_line(tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o755)

@@ -318,15 +318,31 @@ def serve(socket_path: Path) -> None:
 
 def _check_socket_path(socket_path: Path) -> None:
     folder = socket_path.parent
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ClusterfitError(f"{folder}: cannot be made ({exc.strerror}); pick --socket elsewhere") from None
     if folder.stat().st_uid != os.getuid() or folder.stat().st_mode & 0o077:
         raise ClusterfitError(f"{folder}: not a private folder of this account; pick --socket in one that is")
     if len(os.fsencode(socket_path)) > 107:
         raise ClusterfitError(f"{socket_path}: longer than a Unix socket path may be (107 bytes); pick a shorter one")
+    if socket_path.is_symlink() or (socket_path.exists() and not socket_path.is_socket()):
+        raise ClusterfitError(f"{socket_path}: exists and is not a socket (kept); pick another --socket")
+    if socket_path.exists() and _answers(socket_path):
+        raise ClusterfitError(f"{socket_path}: another warm-start process listens there; stop it or pick another")
+
+
+def _answers(socket_path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(os.fspath(socket_path))
+        except OSError:  # refused: a socket left by a process that ended
+            return False
+    return True
 
 
 def _listen(socket_path: Path) -> socket.socket:
-    socket_path.unlink(missing_ok=True)  # a socket its previous run left
+    socket_path.unlink(missing_ok=True)  # a socket its previous run left (checked above: nothing answers)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(os.fspath(socket_path))
     os.chmod(socket_path, 0o600)
