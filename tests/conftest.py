@@ -238,8 +238,9 @@ class WarmStart:
 @pytest.fixture(scope="session", autouse=True)
 def warm_start(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmStart]:
     """`clusterfit warm-start`, one per test worker, named in the environment of every process the tests start:
-    local jobs' agents fork from it (backends/warm_start.py), as a user's do who runs one, instead of each
-    importing torch again. What must start cold still does (docs/testing.md), and jobs of other engines always do."""
+        local jobs' agents fork from it (backends/warm_start.py), as a user's do who runs one, instead of each
+        importing torch again. What must start cold still does (docs/testing.md). The test Ray cluster's nodes run
+    their own (tests/raycluster.py); Slurm's agents always start cold."""
     socket_path = tmp_path_factory.mktemp("warm") / "agents.sock"
     command = cli_command("warm-start", "--socket", str(socket_path))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)

@@ -1,6 +1,6 @@
 """A real two-node Ray cluster on 127.0.0.1 for tests: a head and a second node, each its own `ray start
 --block` process group with free ports, a temp folder, one CPU and one logical GPU, token authentication on,
-the second node under a host name of its own; stopped after."""
+the second node under a host name of its own, each with a `clusterfit warm-start` of its own; stopped after."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import secrets
 import select
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,8 @@ from typing import Any
 
 import psutil
 from azurite import free_port
+
+from clusterfit.backends.warm_start import WARM_START_ENV
 
 RAY = str(Path(sys.executable).with_name("ray"))  # the venv's ray, so Ray's workers run the venv's python
 _MEMORY = str(2 * 1024**3)  # Ray would count the host's memory once per node and overcommit it
@@ -53,8 +56,16 @@ def _with_own_host_name(command: list[str]) -> list[str]:
     return [unshare, "--uts", "/bin/sh", "-c", 'hostname localhost && exec "$@"', "node", *command]
 
 
+def _with_warm_start(command: list[str], python: str, socket_path: Path) -> list[str]:
+    """`command` beside `clusterfit warm-start` at `socket_path`, as a user starts one with each node: in the
+    node's process group and namespaces, so its forked agents are confined as the node's actors are, and gone
+    with the node."""
+    warm_start = shlex.join([python, "-m", "clusterfit", "warm-start", "--socket", str(socket_path)])
+    return ["/bin/sh", "-c", f'{warm_start} & exec "$@"', "node", *command]
+
+
 class RayCluster:
-    def __init__(self, python: str | None = None) -> None:
+    def __init__(self, python: str | None = None, *, warm_starts: bool = True) -> None:
         # The interpreter Ray's nodes start their workers with (and the tests' driver, whose Python must be the
         # same version): by default this environment's.
         self.python = python
@@ -67,6 +78,9 @@ class RayCluster:
         self._probe: subprocess.Popen[bytes] | None = None  # the connected driver that _ask() asks
         self._probe_output = b""  # what it printed that is not read yet
         self.own_host_names = _unshare() is not None  # every node but the head under a host name of its own
+        # Each node's agents fork from a warm-start process of its own (backends/warm_start.py).
+        self.warm_starts = warm_starts
+        self.warm_start_sockets: list[Path] = []
 
     def client_env(self, **extra: str) -> dict[str, str]:
         """The current environment plus what a launcher needs to join this cluster: the address and the token."""
@@ -77,12 +91,14 @@ class RayCluster:
         self._wait_for_nodes(1)
         for _ in range(nodes - 1):
             self.add_node()
+        self._wait_for_warm_starts()
 
     def add_node(self) -> subprocess.Popen[bytes]:
         """One more node (as a replaced spot VM would join), once Ray counts it alive."""
         count = len(self.nodes) + 1
         self._start_node(f"node{count}", [f"--address={self.address}", "--node-ip-address=127.0.0.1", *self._common()])
         self._wait_for_nodes(count)
+        self._wait_for_warm_starts()
         return self.nodes[-1]
 
     def remove_node(self, node: subprocess.Popen[bytes]) -> None:
@@ -200,15 +216,29 @@ class RayCluster:
     def _start_node(self, label: str, args: list[str]) -> None:
         log = open(self.temp_dir / f"ray-start-{label}.log", "wb")  # noqa: SIM115 - kept open by the child
         command = [self.python, "-m", "ray.scripts.scripts", "start", *args] if self.python else [RAY, "start", *args]
+        env = {**os.environ, **self.auth, "RAY_ADDRESS": ""}  # never join a cluster someone else started
+        env.pop(WARM_START_ENV, None)  # the tests' own, in another process group
+        if self.warm_starts:
+            self.warm_start_sockets.append(self.temp_dir / f"warm-start-{label}" / "agents.sock")
+            env[WARM_START_ENV] = str(self.warm_start_sockets[-1])
+            command = _with_warm_start(command, self.python or sys.executable, self.warm_start_sockets[-1])
         self.nodes.append(
             subprocess.Popen(
                 command if label == "head" else _with_own_host_name(command),
-                env={**os.environ, **self.auth, "RAY_ADDRESS": ""},  # never join a cluster someone else started
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         )
+
+    def _wait_for_warm_starts(self) -> None:
+        """Until each node's warm-start process listens: a job that came before would start cold."""
+        if self.warm_starts:
+            deadline = time.monotonic() + 120
+            while not all(path.is_socket() for path in self.warm_start_sockets):
+                assert time.monotonic() < deadline, "a node's clusterfit warm-start did not start"
+                time.sleep(0.2)
 
     def _wait_for_nodes(self, count: int) -> None:
         deadline = time.monotonic() + 180

@@ -340,7 +340,7 @@ def test_a_root_job_service_runs_its_ray_jobs_as_the_job_s_account(nobody_python
     `nobody`. On Ray the job's processes run as `nobody` too, and cannot read the Ray cluster's token from its
     daemons' environment: before, such a job ran as root on every node (then was refused on such nodes). The
     cluster runs a Python that `nobody` may run, as its nodes must for this."""
-    cluster = RayCluster(python=nobody_python)
+    cluster = RayCluster(python=nobody_python, warm_starts=False)  # its jobs start cold
     folder = Path(tempfile.mkdtemp(prefix="clusterfit-ray-account-"))
     folder.chmod(0o1777)  # where the account makes its outputs folder, as in /tmp
     try:
@@ -481,7 +481,19 @@ def _node_processes(out: Path, *, host: bool) -> list[psutil.Process]:
     """The agent that hosts the job's rendezvous (or the one that does not), its Ray actor and its workers."""
     agents = [p for p in _agents(_job_processes(out)) if ("is_host=1" in " ".join(p.cmdline())) == host]
     assert len(agents) == 1, [p.cmdline() for p in agents]
-    return [agents[0].parent(), agents[0], *agents[0].children(recursive=True)]
+    _, actor = _warm_start_and_actor(agents[0])
+    return [actor, agents[0], *agents[0].children(recursive=True)]
+
+
+def _warm_start_and_actor(agent: psutil.Process) -> tuple[psutil.Process, psutil.Process]:
+    """The warm-start process of the node that forked `agent` (the test cluster's nodes run one each), and the
+    job's Ray actor on that node, for which it did."""
+    warm_start = agent.parent()
+    assert "warm-start" in " ".join(warm_start.cmdline()), f"started cold: {warm_start.cmdline()}"
+    node = warm_start.parent()  # the node's `ray start`, whose daemons start its actors
+    actors = [p for p in node.children(recursive=True) if p.cmdline() and p.cmdline()[0].startswith("ray::NodeAgent")]
+    assert len(actors) == 1, [p.cmdline() for p in actors]
+    return warm_start, actors[0]
 
 
 def _ray_job(cluster: RayCluster, action: str, argument: str) -> str:
@@ -507,6 +519,9 @@ def _wait_until_training(out: Path, launcher: subprocess.Popen[bytes] | None) ->
     processes = _job_processes(out)
     agents = _agents(processes)
     assert len(agents) == 2 and len(processes) >= 4, [p.cmdline() for p in processes]
+    for agent in agents:  # forked by its node's warm start, at the niceness Ray gives its actor (15)
+        _, actor = _warm_start_and_actor(agent)
+        assert agent.nice() == actor.nice() > 0, (agent.nice(), actor.nice())
     return processes
 
 

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import (
     cli_command,
@@ -30,7 +31,9 @@ from clusterfit.backends.warm_start import (
     AgentRequest,
     WarmStartUnavailable,
     load_time_differences,
+    own_umask,
     process_context,
+    runs_the_agent,
     start_agent,
     why_cold,
 )
@@ -56,6 +59,27 @@ def test_variables_read_while_starting_must_match_and_the_rest_may_differ() -> N
     assert why_cold(launched_in_a_limit, own, context) == (
         "the launcher's RLIMIT_NOFILE, cgroup differ from the warm-start process's"
     )
+    # A nicer launcher's (a Ray actor's: 15) agent takes its niceness; a less nice one's cannot, unprivileged.
+    nicer = AgentRequest(agent, own, "/", 0o022, [0], {**context, "niceness": "15"})
+    assert why_cold(nicer, own, {**context, "niceness": "0"}) is None
+    assert why_cold(AgentRequest(agent, own, "/", 0o022, [0], context), own, {**context, "niceness": "19"}) == (
+        f"the launcher's niceness {context['niceness']} is below the warm-start process's 19"
+    )
+
+
+def test_another_name_of_the_same_python_in_its_folder_runs_the_agent(tmp_path: Path) -> None:
+    """`python3` and `python` of one virtual environment are one interpreter (a console script names the first,
+    the tests the second); the same binary linked from another folder is another environment's."""
+    interpreter = Path(sys.executable).resolve()
+    venv, other = tmp_path / "venv" / "bin", tmp_path / "other" / "bin"
+    for folder in (venv, other):
+        folder.mkdir(parents=True)
+        (folder / "python3").symlink_to(interpreter)
+    (venv / "python").symlink_to("python3")
+    assert runs_the_agent([str(venv / "python3"), "-m", AGENT_MODULE, "--standalone"], str(venv / "python"))
+    assert not runs_the_agent([str(other / "python3"), "-m", AGENT_MODULE], str(venv / "python"))
+    assert not runs_the_agent(["python3", "-m", AGENT_MODULE], "python3")  # found on PATH: maybe another
+    assert not runs_the_agent([str(venv / "python"), "-m", "clusterfit.worker"], str(venv / "python"))
 
 
 @pytest.fixture
@@ -123,6 +147,29 @@ def test_a_killed_warm_start_stops_its_jobs_which_resume_from_their_checkpoint(
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert "resuming from" in rerun.stdout
     assert "no warm start at" in (out / "logs" / "agent.log").read_text()
+
+
+def test_an_agent_ends_with_its_warm_start_while_its_launcher_looks_away(
+    tmp_path: Path, own_warm_start: tuple[subprocess.Popen[str], Path]
+) -> None:
+    """A lost Ray node loses its warm start and the job's actor at once: then no launcher is left to stop the
+    agent, and the kernel does (its parent-death signal), as it stops a cold agent whose launcher died. Here
+    the launcher (this test) holds its connection and never reads it."""
+    process, socket_path = own_warm_start
+    script = tmp_path / "sleeps.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    command = [sys.executable, "-m", AGENT_MODULE, "--standalone", "--nproc-per-node=1", str(script)]
+    cpus = sorted(os.sched_getaffinity(0))
+    request = AgentRequest(command, dict(os.environ), str(tmp_path), own_umask(), cpus, process_context())
+    with open(tmp_path / "agent.log", "w") as log:
+        agent = start_agent(str(socket_path), request, log)
+    forked = psutil.Process(agent.pid)
+    assert forked.ppid() == process.pid
+    worker = wait_for(lambda: forked.children(), 60, "the agent's worker")[0]
+    process.kill()
+    gone, alive = psutil.wait_procs([forked, worker], timeout=30)
+    assert not alive, (tmp_path / "agent.log").read_text()[-3000:]
+    assert agent.wait(10) == -signal.SIGTERM  # the connection closed: the launcher learns it was stopped
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to try as another account")

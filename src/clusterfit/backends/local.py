@@ -7,13 +7,10 @@ import itertools
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TextIO
 
-from clusterfit.backends.agent import AGENT_MODULE
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
 from clusterfit.backends.job_folder import JobAccount, open_agent_log, put_job_files
@@ -26,15 +23,7 @@ from clusterfit.backends.torchrun import (
     torchrun_command,
     worker_env,
 )
-from clusterfit.backends.warm_start import (
-    WARM_START_ENV,
-    AgentRequest,
-    WarmAgent,
-    WarmStartUnavailable,
-    own_umask,
-    process_context,
-    start_agent,
-)
+from clusterfit.backends.warm_start import WarmAgent, warm_started_agent
 from clusterfit.outputs import JobOutputs
 from clusterfit.processes import descendants, kill_if_same, process_start_time, stop_with_parent
 from clusterfit.spec.model import JobSpec
@@ -89,7 +78,7 @@ class LocalBackend:
         with open(agent_log, "a") as agent_log_file:
             # NOTE: a job of another account (a root server's) always starts cold: it must not share our process.
             if account is None:
-                warm = _warm_started(rendered.command, env, outputs.root if confined else None, agent_log_file)
+                warm = warm_started_agent(rendered.command, env, outputs.root if confined else None, agent_log_file)
                 if warm is not None:
                     return LocalRun(warm)
             process = subprocess.Popen(
@@ -114,22 +103,6 @@ class LocalBackend:
     def cancel(self, ref: EngineRef) -> None:
         if _group_alive(ref):
             _stop_group(int(ref.id), lambda timeout: _wait_group_gone(ref, timeout))
-
-
-def _warm_started(command: list[str], env: dict[str, str], cwd: Path | None, log: TextIO) -> WarmAgent | None:
-    """The agent forked by `clusterfit warm-start` when CLUSTERFIT_WARM_START names one (backends/warm_start.py);
-    None to start it cold, with the reason in the agent log when a warm start was asked for and failed."""
-    socket_path = os.environ.get(WARM_START_ENV)
-    if not socket_path or command[:3] != [sys.executable, "-m", AGENT_MODULE]:
-        return None
-    try:
-        folder = os.path.abspath(cwd or os.getcwd())  # where Popen would start it: relative to this process
-        cpus = sorted(os.sched_getaffinity(0))
-        request = AgentRequest(command, env, folder, own_umask(), cpus, process_context())
-        return start_agent(socket_path, request, log)
-    except (OSError, WarmStartUnavailable) as exc:  # OSError: this process's folder is gone, which Popen allows
-        print(f"clusterfit: {exc}; starting the agent cold", file=log, flush=True)
-        return None
 
 
 class LocalRun:

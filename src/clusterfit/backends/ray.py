@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from clusterfit.backends.base import EngineRef, EngineStatus, Rendered
 from clusterfit.backends.job_env import job_env
@@ -56,6 +56,7 @@ from clusterfit.backends.torchrun import (
     torchrun_command,
     worker_env,
 )
+from clusterfit.backends.warm_start import WarmAgent, warm_started_agent
 from clusterfit.errors import ClusterfitError, EngineError, SpecError
 from clusterfit.files import read_text_or_none, write_atomically
 from clusterfit.network import free_port
@@ -564,7 +565,7 @@ class NodeAgent:
     group of its own and, when asked, stops it with every process it started."""
 
     def __init__(self) -> None:
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: subprocess.Popen[bytes] | WarmAgent | None = None
         self._finished_at: float | None = None  # once the agent exited and (outputs at a URL) its node's copy is up
         self._ended: threading.Thread | None = None
         self._tree: dict[int, str] = {}  # pid -> start time of the agent and every descendant seen so far
@@ -629,32 +630,39 @@ class NodeAgent:
             job_environment = job_env(outputs.root, env, server_env=job_environ(os.environ))
             options = {"cwd": str(outputs.root), "env": job_environment, **runs_as.process_options()}
         with open(agent_log, "a") as agent_log_file:
-            try:
-                self._process = subprocess.Popen(
-                    command,
-                    stdout=agent_log_file,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    start_new_session=True,
-                    preexec_fn=stop_with_parent,  # a killed actor leaves no training processes behind
-                    **options,
-                )
-            except PermissionError as exc:
-                who = f"the account {runs_as.name}" if runs_as else "Ray's user"
-                raise EngineError(
-                    f"Ray node {self.where().ip}: {who} cannot run {command[0]} ({exc.strerror}); install the "
-                    "Python that Ray's nodes run where every job account may run it (not under /root)",
-                    retryable=False,
-                ) from None
-            except FileNotFoundError:
-                raise EngineError(
-                    f"Ray node {self.where().ip} has no {command[0]}; "
-                    + (INSTALL_HINT if command[0].endswith("mpirun") else "install it on every Ray node"),
-                    retryable=False,
-                ) from None
+            # NOTE: a job of another account always starts cold: it must not share a process of Ray's user.
+            warm = None if runs_as is not None else warm_started_agent(command, options["env"], cwd, agent_log_file)
+            self._process = warm or self._start_cold(command, agent_log_file, runs_as, options)
         self._ended = threading.Thread(target=self._record_exit, daemon=True)
         self._ended.start()
         return self._process.pid
+
+    def _start_cold(
+        self, command: list[str], agent_log: IO[str], runs_as: JobAccount | None, options: dict[str, Any]
+    ) -> subprocess.Popen[bytes]:
+        try:
+            return subprocess.Popen(
+                command,
+                stdout=agent_log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=stop_with_parent,  # a killed actor leaves no training processes behind
+                **options,
+            )
+        except PermissionError as exc:
+            who = f"the account {runs_as.name}" if runs_as else "Ray's user"
+            raise EngineError(
+                f"Ray node {self.where().ip}: {who} cannot run {command[0]} ({exc.strerror}); install the "
+                "Python that Ray's nodes run where every job account may run it (not under /root)",
+                retryable=False,
+            ) from None
+        except FileNotFoundError:
+            raise EngineError(
+                f"Ray node {self.where().ip} has no {command[0]}; "
+                + (INSTALL_HINT if command[0].endswith("mpirun") else "install it on every Ray node"),
+                retryable=False,
+            ) from None
 
     def state(self) -> AgentState:
         if self._process is None or self._finished_at is None:

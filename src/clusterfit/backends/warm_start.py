@@ -34,6 +34,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -49,6 +50,7 @@ from clusterfit.processes import (
     kill_if_same,
     long_lived_imports,
     process_start_time,
+    stop_with_parent,
 )
 
 WARM_START_ENV = "CLUSTERFIT_WARM_START"  # the socket of `clusterfit warm-start`; unset: every agent starts cold
@@ -118,6 +120,7 @@ def load_time_differences(job_env: Mapping[str, str], own_env: Mapping[str, str]
     return sorted(name for name in names if job_env.get(name) != own_env.get(name))
 
 
+_NICENESS = "niceness"  # the one part of the context a forked agent takes itself, if no lower (why_cold)
 _STATUS_FIELDS = ("Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
 
 
@@ -125,7 +128,8 @@ def process_context() -> dict[str, str]:
     """What a process passes to the processes it starts besides their environment, folder and umask, and which a
     forked agent would take from the warm-start process instead of its launcher: the namespaces (a container,
     a private /dev/shm), the cgroup (a memory or CPU limit), the root folder, resource limits, groups,
-    capabilities and niceness. A launcher whose context differs gets a cold start, so a job is never
+    capabilities and niceness. A launcher whose context differs gets a cold start (but for a higher niceness,
+    which the forked agent takes), so a job is never
     confined less than its launcher."""
     proc = Path("/proc/self")
     context = {f"{name} namespace": os.readlink(proc / "ns" / name) for name in sorted(os.listdir(proc / "ns"))}
@@ -138,8 +142,20 @@ def process_context() -> dict[str, str]:
         field, _, value = line.partition(":")
         if field in _STATUS_FIELDS:
             context[field] = value.strip()
-    context["niceness"] = str(os.getpriority(os.PRIO_PROCESS, 0))
+    context[_NICENESS] = str(os.getpriority(os.PRIO_PROCESS, 0))
     return context
+
+
+def runs_the_agent(command: list[str], python: str) -> bool:
+    """Whether `command` runs torchrun's agent with `python`, or with another name of it in its folder
+    (`python3` for `python`: a console script's and Ray's workers' name for the one that tests call `python`).
+    The folder must match: it is what makes a virtual environment's interpreter that environment's."""
+    from clusterfit.backends.agent import AGENT_MODULE
+
+    if len(command) < 3 or command[1:3] != ["-m", AGENT_MODULE]:
+        return False
+    named, own = Path(command[0]), Path(python)
+    return named.is_absolute() and named.parent == own.parent and named.resolve() == own.resolve()
 
 
 def why_cold(
@@ -151,15 +167,19 @@ def why_cold(
     """Why this process cannot fork the requested agent, or None if it can."""
     from clusterfit.backends.agent import AGENT_MODULE
 
-    if request.command[:3] != [python, "-m", AGENT_MODULE]:
+    if not runs_the_agent(request.command, python):
         return f"the command is not this Python's agent ({python} -m {AGENT_MODULE})"
     differing = load_time_differences(request.env, own_env)
     if differing:
         return f"{_differ(differing)} from the warm-start process's (read while starting)"
-    keys = {*request.context, *own_context}
+    keys = {*request.context, *own_context} - {_NICENESS}
     differing = sorted(key for key in keys if request.context.get(key) != own_context.get(key))
     if differing:
         return f"the launcher's {_differ(differing)} from the warm-start process's"
+    wanted, own = request.context.get(_NICENESS), own_context.get(_NICENESS)
+    if wanted != own and (wanted is None or own is None or int(wanted) < int(own)):
+        # A process may lower its own priority (Ray's workers run at niceness 15), never raise it unprivileged.
+        return f"the launcher's niceness {wanted} is below the warm-start process's {own}"
     return None
 
 
@@ -179,25 +199,38 @@ class WarmAgent:
         self._unread = b""
         self._start_time = process_start_time(pid) or ""
         self._orphaned = False
+        # One reader of the connection at a time, as Popen allows poll() while another thread waits (a Ray
+        # actor's does): a timeout set by one would change the other's, and a read exit code could be lost.
+        self._reading = threading.Lock()
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self._read(timeout=0)
+        if self.returncode is None and self._reading.acquire(blocking=False):  # else another thread reads it
+            try:
+                self._read(timeout=0)
+            finally:
+                self._reading.release()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._read(timeout)
+        if self._reading.acquire(timeout=-1 if timeout is None else timeout):
+            try:
+                self._wait_holding_the_lock(deadline)
+            finally:
+                self._reading.release()
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout or 0)
+        return self.returncode
+
+    def _wait_holding_the_lock(self, deadline: float | None) -> None:
+        self._read(None if deadline is None else max(0.0, deadline - time.monotonic()))
         while self._orphaned and self.returncode is None:
             if deadline is not None and time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
             self._read(0)
-        if self.returncode is None:
-            raise subprocess.TimeoutExpired(f"agent {self.pid}", timeout or 0)
-        return self.returncode
 
     def _read(self, timeout: float | None) -> None:
         if self.returncode is not None:
@@ -225,6 +258,25 @@ class WarmAgent:
         if b"\n" in self._unread:
             self.returncode = int(json.loads(self._unread.split(b"\n", 1)[0])["exit"])
             self._connection.close()
+
+
+def warm_started_agent(
+    command: list[str], env: dict[str, str], cwd: str | Path | None, log: IO[str]
+) -> WarmAgent | None:
+    """The agent forked by `clusterfit warm-start` when CLUSTERFIT_WARM_START names one: `command` as its
+    launcher would start it with Popen (`env`, `cwd`; stdout and stderr to `log`). None to start it cold, with
+    the reason in `log` when a warm start was asked for and failed."""
+    socket_path = os.environ.get(WARM_START_ENV)
+    if not socket_path or not runs_the_agent(command, sys.executable):
+        return None
+    try:
+        folder = os.path.abspath(cwd or os.getcwd())  # where Popen would start it: relative to this process
+        cpus = sorted(os.sched_getaffinity(0))
+        request = AgentRequest(command, env, folder, own_umask(), cpus, process_context())
+        return start_agent(socket_path, request, log)
+    except (OSError, WarmStartUnavailable) as exc:  # OSError: this process's folder is gone, which Popen allows
+        print(f"clusterfit: {exc}; starting the agent cold", file=log, flush=True)
+        return None
 
 
 def start_agent(socket_path: str, request: AgentRequest, log: IO[bytes] | IO[str]) -> WarmAgent:
@@ -412,9 +464,12 @@ def _accept(
             connection.sendall(json.dumps({"cold": refusal}).encode() + b"\n")
             connection.close()
             return
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _become_agent(request, log_fd, keep_nothing_of=[*own, connection, *agents.values()], selector=selector)
+            _become_agent(
+                request, log_fd, parent, keep_nothing_of=[*own, connection, *agents.values()], selector=selector
+            )
     except (OSError, ValueError, KeyError, TypeError):
         connection.close()  # a launcher that cannot be answered starts its agent cold
         return
@@ -472,11 +527,13 @@ def _receive(connection: socket.socket) -> tuple[AgentRequest, int]:
 def _become_agent(
     request: AgentRequest,
     log_fd: int,
+    parent: int,
     *,
     keep_nothing_of: list[socket.socket | _Agent],
     selector: selectors.BaseSelector,
 ) -> NoReturn:
-    """In the forked child: the agent's process, as `LocalBackend` would have started it, then `agent.main`."""
+    """In the forked child: the agent's process, as its launcher (`LocalBackend`, a Ray node's `NodeAgent`)
+    would have started it, then `agent.main`."""
     code = 1
     try:
         os.setsid()  # its own session and process group, which its pid names: how cancels reach its helpers
@@ -491,9 +548,15 @@ def _become_agent(
             if held is not None:
                 held.close()
         _standard_streams(log_fd)
+        # Stopped when this process dies, as when its launcher dies (a lost node's both die at once).
+        stop_with_parent()
+        if os.getppid() != parent:
+            print("clusterfit: the warm-start process ended before this job's agent started", flush=True)
+            return
         os.chdir(request.cwd)
         os.umask(request.umask)
         os.sched_setaffinity(0, request.cpus)
+        os.setpriority(os.PRIO_PROCESS, 0, int(request.context[_NICENESS]))  # its only thread: all it starts
         os.environ.clear()
         os.environ.update(request.env)
         code = _run_agent(request.command)
