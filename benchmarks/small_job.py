@@ -9,7 +9,11 @@ batch, in rotating order for --rounds rounds:
 - the same with a checkpoint at every epoch's end (`min_interval_s: 0`, the cadence before it existed);
 - clusterfit, 1 rank (no DDP wrapper, the cores' threads in one process), validating after the last epoch only:
   the plain loop's work;
-- a plain single-process PyTorch loop (ImageFolder, DataLoader, the same crops), validated once at the end.
+- a plain single-process PyTorch loop (ImageFolder, DataLoader, the same crops), validated once at the end;
+- the first system again, its agent forked from `clusterfit warm-start` (started once before the rounds, as a
+  user runs one per machine; backends/warm_start.py).
+
+--systems picks some of them by number (1 to 5, in that order).
 
 Reported per system: wall time (launch to exit), training time (the epochs' loops, from the job's own figures),
 their ratio, the checkpoints written and the training time they stalled, and the final val top-1.
@@ -21,18 +25,22 @@ their ratio, the checkpoints written and the training time they stalled, and the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from clusterfit.backends.warm_start import READY_LINE, WARM_START_ENV
 from clusterfit.bench.machine import cpu_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -89,7 +97,14 @@ def small_split(digits: Path, root: Path, per_class: int) -> Path:
 
 
 def clusterfit_job(
-    workdir: Path, data: Path, name: str, args: argparse.Namespace, *, ranks: int, **trainer: Any
+    workdir: Path,
+    data: Path,
+    name: str,
+    args: argparse.Namespace,
+    *,
+    ranks: int,
+    env: dict[str, str] | None = None,
+    **trainer: Any,
 ) -> dict[str, Any]:
     out = workdir / name
     shutil.rmtree(out, ignore_errors=True)  # every round trains from scratch
@@ -113,7 +128,11 @@ def clusterfit_job(
     spec = workdir / f"{name}.yaml"
     spec.write_text(yaml.safe_dump(job, sort_keys=False))
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "clusterfit", "run", str(spec)], capture_output=True, text=True)
+    if env is None:  # a cold start, whatever the caller's shell names
+        env = {name: value for name, value in os.environ.items() if name != WARM_START_ENV}
+    result = subprocess.run(
+        [sys.executable, "-m", "clusterfit", "run", str(spec)], capture_output=True, text=True, env=env
+    )
     wall = time.perf_counter() - started
     if result.returncode:
         raise SystemExit(f"{name} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
@@ -162,6 +181,22 @@ def plain_loop(workdir: Path, data: Path, args: argparse.Namespace) -> dict:
     }
 
 
+@contextlib.contextmanager
+def warm_start(socket_path: Path) -> Iterator[None]:
+    """`clusterfit warm-start` at `socket_path`, once it listens; stopped after."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "clusterfit", "warm-start", "--socket", str(socket_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline().startswith(READY_LINE)
+        yield
+    finally:
+        process.terminate()
+        process.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=40)
@@ -170,6 +205,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.1, help="the peak learning rate at the global batch")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--systems", default="1,2,3,4,5", help="which systems, by number (see above)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/small_job.json"))
     args = parser.parse_args()
 
@@ -183,12 +219,18 @@ def main() -> None:
             w, d, "one-rank", args, ranks=1, **last_only
         ),
         "plain single-process loop, validating at the end": lambda w, d: plain_loop(w, d, args),
+        "clusterfit, 2 ranks, default cadence, warm start": lambda w, d: clusterfit_job(
+            w, d, "warm", args, ranks=2, env={**os.environ, WARM_START_ENV: str(w / "warm-start" / "agents.sock")}
+        ),
     }
-    names = list(systems)
+    names = [list(systems)[int(number) - 1] for number in args.systems.split(",")]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         workdir = Path(tmp)
         data = small_split(render_digits(workdir / "digits"), workdir / "small", args.per_class)
+        # NOTE: only now: rendering imports scikit-learn, which sets KMP_* variables in this process's environment,
+        # and a job whose such variables differ from the warm start's starts cold (as it should).
+        stack.enter_context(warm_start(workdir / "warm-start" / "agents.sock"))
         for round_index in range(args.rounds):
             shift = round_index % len(names)
             for name in names[shift:] + names[:shift]:

@@ -85,6 +85,8 @@ def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     agent_log = (root / "out" / "logs" / "agent.log").read_text()
     assert "PYTHONHASHSEED differs from the warm-start process's" in agent_log, agent_log[:2000]
     assert "starting the agent cold" in agent_log
+    # ... and on the console, since CLUSTERFIT_WARM_START asked for a warm start.
+    assert re.search(r"attempt 1: its agent started cold: .*PYTHONHASHSEED differs", result.stdout), result.stdout
     return root / "out"
 
 

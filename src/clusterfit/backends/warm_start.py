@@ -1,19 +1,20 @@
-"""Warm starts: one long-lived process on this machine imports torch, torchvision and the trainer once, and every
-local job's agent is forked from it instead of starting as a new interpreter that imports them again.
+"""Warm starts: one long-lived process on a machine imports torch, torchvision and the trainer once, and the
+agents that machine starts are forked from it instead of starting as new interpreters that import them again.
 
 A job's agent (backends/agent.py) spends about 3 s of CPU importing before it starts a rank, more than a small
 job's training on 2 cores, and a sweep of short trials pays it per trial. `clusterfit warm-start` runs this
 process; `clusterfit run` and the job service fork their local agents from it while CLUSTERFIT_WARM_START names
-its socket. It is the zygote of Android or the daemon of Gradle and Bazel, for torchrun's agent.
+its socket, and so does each Ray node's actor (backends/ray.py) where the node runs one. It is the zygote of
+Android or the daemon of Gradle and Bazel, for torchrun's agent.
 
 The forked agent is the agent the launcher would have started: its own session and process group, the job's
 environment, working folder, umask, CPU affinity and log file, its command line as `ps` shows it, then the
 same `agent.main`. What cannot change after the fork starts cold, with a line in the agent log that says why:
 a job whose variables read while starting (`load_time_differences`) differ from this process's, and a
 launcher in another namespace, cgroup or limit (`process_context`), whose job must stay confined as its
-launcher is. So does any job the socket cannot reach. The launcher keeps its
-connection open for the job's life: the agent's exit code comes back over it, and a launcher that dies closes
-it, which stops the agent as the kernel's parent-death signal does for a cold start.
+launcher is. So does any job the socket cannot reach. The launcher keeps its connection open for the job's
+life: the agent's exit code comes back over it, and a launcher that dies closes it, which stops the agent as
+the kernel's parent-death signal does for a cold start; the agent also gets that signal if this process dies.
 
 Only processes of this account may connect (the socket's folder is private, and the peer's uid is checked):
 a job's environment holds its secrets."""
@@ -128,9 +129,8 @@ def process_context() -> dict[str, str]:
     """What a process passes to the processes it starts besides their environment, folder and umask, and which a
     forked agent would take from the warm-start process instead of its launcher: the namespaces (a container,
     a private /dev/shm), the cgroup (a memory or CPU limit), the root folder, resource limits, groups,
-    capabilities and niceness. A launcher whose context differs gets a cold start (but for a higher niceness,
-    which the forked agent takes), so a job is never
-    confined less than its launcher."""
+    capabilities and niceness. A launcher whose context differs gets a cold start, so a job is never confined
+    less than its launcher; but for a higher niceness, which the forked agent takes itself (why_cold)."""
     proc = Path("/proc/self")
     context = {f"{name} namespace": os.readlink(proc / "ns" / name) for name in sorted(os.listdir(proc / "ns"))}
     context["cgroup"] = (proc / "cgroup").read_text()
@@ -275,8 +275,21 @@ def warm_started_agent(
         request = AgentRequest(command, env, folder, own_umask(), cpus, process_context())
         return start_agent(socket_path, request, log)
     except (OSError, WarmStartUnavailable) as exc:  # OSError: this process's folder is gone, which Popen allows
-        print(f"clusterfit: {exc}; starting the agent cold", file=log, flush=True)
+        print(f"{_COLD_START_PREFIX}{exc}{_COLD_START_SUFFIX}", file=log, flush=True)
         return None
+
+
+# How warm_started_agent says in the agent log that it starts an agent cold, and why; the supervisor repeats it.
+_COLD_START_PREFIX, _COLD_START_SUFFIX = "clusterfit: ", "; starting the agent cold"
+
+
+def cold_start_reasons(agent_log_lines: list[str]) -> list[str]:
+    """Why a warm start that was asked for was not taken, as lines of an agent log say."""
+    return [
+        line.removeprefix(_COLD_START_PREFIX).removesuffix(_COLD_START_SUFFIX)
+        for line in agent_log_lines
+        if line.startswith(_COLD_START_PREFIX) and line.endswith(_COLD_START_SUFFIX)
+    ]
 
 
 def start_agent(socket_path: str, request: AgentRequest, log: IO[bytes] | IO[str]) -> WarmAgent:

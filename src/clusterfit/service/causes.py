@@ -253,7 +253,7 @@ def gather_evidence(
     """`agent_log_start`: the agent log's size when the attempt began; the log is shared by every attempt and,
     on several nodes, by every node's agent."""
     log_dir = outputs.logs
-    agent_lines = _lines_since(outputs.agent_log, agent_log_start)
+    agent_lines = lines_since(outputs.agent_log, agent_log_start)
     exits, root_rank, pids = _agent_rank_exits(agent_lines)
     beats = read_heartbeats(outputs, world_size)
     # The agent's line for each forked rank's exit, whose pid a heartbeat names: every rank's, where torchrun's
@@ -309,7 +309,7 @@ def _exceptions(log_dir: Path, world_size: int) -> list[RankException]:
     return sorted(found, key=lambda e: (e.timestamp, e.rank))
 
 
-def _lines_since(path: Path, start: int, max_bytes: int = 1 << 20) -> list[str]:
+def lines_since(path: Path, start: int, max_bytes: int = 1 << 20) -> list[str]:
     """The lines written from byte `start` on; at most the last `max_bytes` of them."""
     try:
         with open(path, "rb") as f:

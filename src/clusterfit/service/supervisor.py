@@ -20,6 +20,7 @@ from typing import Any
 from clusterfit.backends import RunHandle, get_backend
 from clusterfit.backends.job_folder import JobAccount
 from clusterfit.backends.torchrun import THREADS_ENV
+from clusterfit.backends.warm_start import cold_start_reasons
 from clusterfit.errors import ClusterfitError
 from clusterfit.files import open_beneath
 from clusterfit.launch import preflight, preflight_apart
@@ -48,6 +49,7 @@ from clusterfit.service.causes import (
     failure_for_error,
     fatal_in_logs,
     gather_evidence,
+    lines_since,
     oom_kill_count,
 )
 from clusterfit.service.home import threads_per_slot
@@ -225,6 +227,8 @@ class Supervisor:
         except (ClusterfitError, OSError, RuntimeError, ValueError) as exc:  # the others: what no backend foresaw
             return Outcome.FAILED, failure_for_error(exc, backend.name)
         self.store.update(job.id, engine_ref=dump_json(asdict(handle.ref)))
+        for reason in cold_start_reasons(lines_since(agent_log, agent_log_start)):  # CLUSTERFIT_WARM_START is set
+            self.log(f"job {job.id} attempt {attempt}: its agent started cold: {reason}")
         outcome, detail = self._watch(job.id, spec, attempt, handle, ended)
         code = handle.poll()
         if ended is not None:
