@@ -491,9 +491,17 @@ def _warm_start_and_actor(agent: psutil.Process) -> tuple[psutil.Process, psutil
     warm_start = agent.parent()
     assert "warm-start" in " ".join(warm_start.cmdline()), f"started cold: {warm_start.cmdline()}"
     node = warm_start.parent()  # the node's `ray start`, whose daemons start its actors
-    actors = [p for p in node.children(recursive=True) if p.cmdline() and p.cmdline()[0].startswith("ray::NodeAgent")]
-    assert len(actors) == 1, [p.cmdline() for p in actors]
+    actors = [p for p in node.children(recursive=True) if _title(p).startswith("ray::NodeAgent")]
+    assert len(actors) == 1, [_title(p) for p in actors]
     return warm_start, actors[0]
+
+
+def _title(process: psutil.Process) -> str:
+    """Its command line as `ps` shows it (Ray retitles its workers); "" once it has ended (a node's helpers may)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
 
 
 def _ray_job(cluster: RayCluster, action: str, argument: str) -> str:
