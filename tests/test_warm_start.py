@@ -5,7 +5,9 @@ what must start cold, how the process ends, and who may use it."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -47,22 +49,21 @@ def test_variables_read_while_starting_must_match_and_the_rest_may_differ() -> N
     del other["PYTHONPATH"]
     assert load_time_differences(other, own) == ["LD_PRELOAD", "OMP_WAIT_POLICY", "PYTHONPATH", "TORCH_LOGS"]
 
-    agent = [sys.executable, "-m", AGENT_MODULE, "--standalone"]
+    agent = AgentRequest([sys.executable, "-m", AGENT_MODULE, "--standalone"], own, "/", 0o022, [0])
     context = process_context()
-    assert why_cold(AgentRequest(agent, own, "/", 0o022, [0], context), own, context) is None
-    another_python = AgentRequest(["/usr/bin/python3", *agent[1:]], own, "/", 0o022, [0], context)
-    assert "not this Python's agent" in why_cold(another_python, own, context)
-    other_env = AgentRequest(agent, {**own, "OMP_WAIT_POLICY": "x"}, "/", 0, [0], context)
-    assert "OMP_WAIT_POLICY differs from" in why_cold(other_env, own, context)
+    assert process_context(os.getpid()) == context  # as the warm start reads its launcher's
+    assert why_cold(agent, context, own, context) is None
+    another_python = AgentRequest(["/usr/bin/python3", *agent.command[1:]], own, "/", 0o022, [0])
+    assert "not this Python's agent" in why_cold(another_python, context, own, context)
+    other_env = AgentRequest(agent.command, {**own, "OMP_WAIT_POLICY": "x"}, "/", 0, [0])
+    assert "OMP_WAIT_POLICY differs from" in why_cold(other_env, context, own, context)
     limited = {**context, "RLIMIT_NOFILE": "(64, 64)", "cgroup": "0::/limited\n"}
-    launched_in_a_limit = AgentRequest(agent, own, "/", 0o022, [0], limited)
-    assert why_cold(launched_in_a_limit, own, context) == (
+    assert why_cold(agent, limited, own, context) == (
         "the launcher's RLIMIT_NOFILE, cgroup differ from the warm-start process's"
     )
     # A nicer launcher's (a Ray actor's: 15) agent takes its niceness; a less nice one's cannot, unprivileged.
-    nicer = AgentRequest(agent, own, "/", 0o022, [0], {**context, "niceness": "15"})
-    assert why_cold(nicer, own, {**context, "niceness": "0"}) is None
-    assert why_cold(AgentRequest(agent, own, "/", 0o022, [0], context), own, {**context, "niceness": "19"}) == (
+    assert why_cold(agent, {**context, "niceness": "15"}, own, {**context, "niceness": "0"}) is None
+    assert why_cold(agent, context, own, {**context, "niceness": "19"}) == (
         f"the launcher's niceness {context['niceness']} is below the warm-start process's 19"
     )
 
@@ -123,7 +124,7 @@ def test_a_stopped_warm_start_takes_no_more_jobs_and_ends_after_its_last_one(
     process.send_signal(signal.SIGTERM)
     wait_for(lambda: not socket_path.exists(), 5, "the socket to be removed")
     with pytest.raises(WarmStartUnavailable, match="no warm start at"), open(os.devnull, "w") as log:
-        start_agent(str(socket_path), AgentRequest([sys.executable], {}, "/", 0o022, [0], {}), log)
+        start_agent(str(socket_path), AgentRequest([sys.executable], {}, "/", 0o022, [0]), log)
     assert process.poll() is None, "it must wait for the job it started"
     output, _ = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, output[-3000:]
@@ -160,7 +161,7 @@ def test_an_agent_ends_with_its_warm_start_while_its_launcher_looks_away(
     script.write_text("import time\ntime.sleep(600)\n")
     command = [sys.executable, "-m", AGENT_MODULE, "--standalone", "--nproc-per-node=1", str(script)]
     cpus = sorted(os.sched_getaffinity(0))
-    request = AgentRequest(command, dict(os.environ), str(tmp_path), own_umask(), cpus, process_context())
+    request = AgentRequest(command, dict(os.environ), str(tmp_path), own_umask(), cpus)
     with open(tmp_path / "agent.log", "w") as log:
         agent = start_agent(str(socket_path), request, log)
     forked = psutil.Process(agent.pid)
@@ -187,6 +188,41 @@ def test_only_its_own_account_may_connect(warm_start) -> None:  # noqa: ANN001 -
     assert result.stdout.strip() == "refused", result.stdout + result.stderr
 
 
+# A launcher that claims the warm start's own context in its request (the request's format, written out by hand).
+CLAIMING_PROBE = """
+import json, os, socket, struct, sys
+from clusterfit.backends.agent import AGENT_MODULE
+from clusterfit.backends.warm_start import process_context
+socket_path, warm_start_pid = sys.argv[1], int(sys.argv[2])
+claimed = process_context(warm_start_pid)
+command = [sys.executable, "-m", AGENT_MODULE, "--no-such-flag"]
+body = json.dumps({"command": command, "env": dict(os.environ), "cwd": "/", "umask": 0o022, "cpus": [0],
+                   "context": claimed}).encode()
+connection = socket.socket(socket.AF_UNIX)
+connection.connect(socket_path)
+with open(os.devnull, "w") as log:
+    socket.send_fds(connection, [struct.pack("!I", len(body))], [log.fileno()])
+connection.sendall(body)
+print(connection.makefile().readline().strip())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root for a mount namespace")
+def test_a_launcher_in_a_namespace_of_its_own_starts_cold_whatever_its_request_claims(warm_start) -> None:  # noqa: ANN001
+    """The launcher's namespaces, cgroup and limits are read from its process (the socket names its pid), not
+    taken from its request: a confined job's process that claims the warm start's own would otherwise have an
+    agent forked outside its confinement."""
+    probe = subprocess.run(
+        ["unshare", "--mount", sys.executable, "-c", CLAIMING_PROBE, str(warm_start.socket), str(warm_start.pid)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert probe.returncode == 0, probe.stderr
+    answer = json.loads(probe.stdout)
+    assert answer == {"cold": "the launcher's mnt namespace differs from the warm-start process's"}, answer
+
+
 def test_a_socket_path_it_must_not_take_is_refused_in_one_line(tmp_path: Path, warm_start) -> None:  # noqa: ANN001
     """A file of the user's is never deleted to make room, and a running warm start is never taken over."""
     private = tmp_path / "private"
@@ -202,7 +238,7 @@ def test_a_socket_path_it_must_not_take_is_refused_in_one_line(tmp_path: Path, w
     assert "another warm-start process listens there" in result.stderr.strip().splitlines()[-1], result.stderr
     # Still answering: asked for another Python's agent, it says why not.
     with open(os.devnull, "w") as log, pytest.raises(WarmStartUnavailable, match="not this Python's agent"):
-        start_agent(str(warm_start.socket), AgentRequest(["/bin/true"], {}, "/", 0o022, [0], {}), log)
+        start_agent(str(warm_start.socket), AgentRequest(["/bin/true"], {}, "/", 0o022, [0]), log)
 
 
 def test_a_socket_in_a_shared_folder_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -99,7 +99,6 @@ class AgentRequest:
     cwd: str
     umask: int
     cpus: list[int]  # the launcher's CPU affinity, which the agent takes
-    context: dict[str, str]  # what else it inherits, which must be this process's (process_context)
 
 
 def default_socket_path() -> Path:
@@ -125,24 +124,25 @@ _NICENESS = "niceness"  # the one part of the context a forked agent takes itsel
 _STATUS_FIELDS = ("Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")
 
 
-def process_context() -> dict[str, str]:
-    """What a process passes to the processes it starts besides their environment, folder and umask, and which a
-    forked agent would take from the warm-start process instead of its launcher: the namespaces (a container,
-    a private /dev/shm), the cgroup (a memory or CPU limit), the root folder, resource limits, groups,
-    capabilities and niceness. A launcher whose context differs gets a cold start, so a job is never confined
-    less than its launcher; but for a higher niceness, which the forked agent takes itself (why_cold)."""
-    proc = Path("/proc/self")
+def process_context(pid: int = 0) -> dict[str, str]:
+    """What process `pid` (0: this one) passes to the processes it starts besides their environment, folder and
+    umask, and which a forked agent would take from the warm-start process instead of its launcher: the
+    namespaces (a container, a private /dev/shm), the cgroup (a memory or CPU limit), the root folder, resource
+    limits, groups, capabilities and niceness. A launcher whose context differs gets a cold start, so a job is
+    never confined less than its launcher; but for a higher niceness, which the forked agent takes itself
+    (why_cold). Raises OSError if the process is gone or not this account's to read."""
+    proc = Path("/proc", str(pid) if pid else "self")
     context = {f"{name} namespace": os.readlink(proc / "ns" / name) for name in sorted(os.listdir(proc / "ns"))}
     context["cgroup"] = (proc / "cgroup").read_text()
     context["root folder"] = os.readlink(proc / "root")
     for name in sorted(dir(resource)):
         if name.startswith("RLIMIT_"):
-            context[name] = str(resource.getrlimit(getattr(resource, name)))
+            context[name] = str(resource.prlimit(pid, getattr(resource, name)))
     for line in (proc / "status").read_text().splitlines():
         field, _, value = line.partition(":")
         if field in _STATUS_FIELDS:
             context[field] = value.strip()
-    context[_NICENESS] = str(os.getpriority(os.PRIO_PROCESS, 0))
+    context[_NICENESS] = str(os.getpriority(os.PRIO_PROCESS, pid))
     return context
 
 
@@ -160,11 +160,13 @@ def runs_the_agent(command: list[str], python: str) -> bool:
 
 def why_cold(
     request: AgentRequest,
+    launcher_context: Mapping[str, str],
     own_env: Mapping[str, str],
     own_context: Mapping[str, str],
     python: str = sys.executable,
 ) -> str | None:
-    """Why this process cannot fork the requested agent, or None if it can."""
+    """Why this process cannot fork the requested agent, or None if it can. `launcher_context` is read from
+    the launcher's process (process_context), never taken from its request: a confined job could claim any."""
     from clusterfit.backends.agent import AGENT_MODULE
 
     if not runs_the_agent(request.command, python):
@@ -172,11 +174,11 @@ def why_cold(
     differing = load_time_differences(request.env, own_env)
     if differing:
         return f"{_differ(differing)} from the warm-start process's (read while starting)"
-    keys = {*request.context, *own_context} - {_NICENESS}
-    differing = sorted(key for key in keys if request.context.get(key) != own_context.get(key))
+    keys = {*launcher_context, *own_context} - {_NICENESS}
+    differing = sorted(key for key in keys if launcher_context.get(key) != own_context.get(key))
     if differing:
         return f"the launcher's {_differ(differing)} from the warm-start process's"
-    wanted, own = request.context.get(_NICENESS), own_context.get(_NICENESS)
+    wanted, own = launcher_context.get(_NICENESS), own_context.get(_NICENESS)
     if wanted != own and (wanted is None or own is None or int(wanted) < int(own)):
         # A process may lower its own priority (Ray's workers run at niceness 15), never raise it unprivileged.
         return f"the launcher's niceness {wanted} is below the warm-start process's {own}"
@@ -272,7 +274,7 @@ def warm_started_agent(
     try:
         folder = os.path.abspath(cwd or os.getcwd())  # where Popen would start it: relative to this process
         cpus = sorted(os.sched_getaffinity(0))
-        request = AgentRequest(command, env, folder, own_umask(), cpus, process_context())
+        request = AgentRequest(command, env, folder, own_umask(), cpus)
         return start_agent(socket_path, request, log)
     except (OSError, WarmStartUnavailable) as exc:  # OSError: this process's folder is gone, which Popen allows
         print(f"{_COLD_START_PREFIX}{exc}{_COLD_START_SUFFIX}", file=log, flush=True)
@@ -468,11 +470,17 @@ def _accept(
         return
     log_fd = None
     try:
-        if _peer_uid(connection) != os.getuid():
+        launcher, uid = _peer(connection)
+        if uid != os.getuid():
             raise PermissionError("another account's process")
         connection.settimeout(_REQUEST_TIMEOUT_S)
         request, log_fd = _receive(connection)
-        refusal = why_cold(request, os.environ, process_context())
+        try:
+            launcher_context = process_context(launcher)
+        except OSError as exc:
+            launcher_context, refusal = {}, f"the launcher's process cannot be read ({exc.strerror})"
+        else:
+            refusal = why_cold(request, launcher_context, os.environ, process_context())
         if refusal is not None:
             connection.sendall(json.dumps({"cold": refusal}).encode() + b"\n")
             connection.close()
@@ -481,7 +489,12 @@ def _accept(
         pid = os.fork()
         if pid == 0:
             _become_agent(
-                request, log_fd, parent, keep_nothing_of=[*own, connection, *agents.values()], selector=selector
+                request,
+                log_fd,
+                parent,
+                int(launcher_context[_NICENESS]),
+                keep_nothing_of=[*own, connection, *agents.values()],
+                selector=selector,
             )
     except (OSError, ValueError, KeyError, TypeError):
         connection.close()  # a launcher that cannot be answered starts its agent cold
@@ -503,9 +516,11 @@ def _accept(
     selector.register(connection, selectors.EVENT_READ, started.launcher_left)
 
 
-def _peer_uid(connection: socket.socket) -> int:
+def _peer(connection: socket.socket) -> tuple[int, int]:
+    """The pid and uid of the process that connected, from the kernel."""
     credentials = connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", credentials)[1]
+    pid, uid, _ = struct.unpack("3i", credentials)
+    return pid, uid
 
 
 def _receive(connection: socket.socket) -> tuple[AgentRequest, int]:
@@ -532,7 +547,6 @@ def _receive(connection: socket.socket) -> tuple[AgentRequest, int]:
         cwd=str(fields["cwd"]),
         umask=int(fields["umask"]),
         cpus=[int(cpu) for cpu in fields["cpus"]],
-        context={str(key): str(value) for key, value in fields["context"].items()},
     )
     return request, fds[0]
 
@@ -541,6 +555,7 @@ def _become_agent(
     request: AgentRequest,
     log_fd: int,
     parent: int,
+    niceness: int,
     *,
     keep_nothing_of: list[socket.socket | _Agent],
     selector: selectors.BaseSelector,
@@ -569,7 +584,7 @@ def _become_agent(
         os.chdir(request.cwd)
         os.umask(request.umask)
         os.sched_setaffinity(0, request.cpus)
-        os.setpriority(os.PRIO_PROCESS, 0, int(request.context[_NICENESS]))  # its only thread: all it starts
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)  # its only thread: and so every thread and process it starts
         os.environ.clear()
         os.environ.update(request.env)
         code = _run_agent(request.command)
