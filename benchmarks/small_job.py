@@ -129,7 +129,7 @@ def clusterfit_job(
     spec.write_text(yaml.safe_dump(job, sort_keys=False))
     started = time.perf_counter()
     if env is None:  # a cold start, whatever the caller's shell names
-        env = {name: value for name, value in os.environ.items() if name != WARM_START_ENV}
+        env = {key: value for key, value in os.environ.items() if key != WARM_START_ENV}
     result = subprocess.run(
         [sys.executable, "-m", "clusterfit", "run", str(spec)], capture_output=True, text=True, env=env
     )
