@@ -41,7 +41,7 @@ from clusterfit.data.staging import (
 from clusterfit.data.transforms import TrainCrop
 from clusterfit.models import build_model
 from clusterfit.spec.model import StorageSpec
-from clusterfit.storage.filesystems import list_file_pages, list_files
+from clusterfit.storage.filesystems import diagnose, list_file_pages, list_files
 
 CONTAINER = "data"
 
@@ -337,6 +337,18 @@ def test_read_only_sas_token_reads_but_cannot_write(azurite: Azurite, tiny_image
         fs.pipe_file(f"{CONTAINER}/outputs/model.safetensors", b"weights")
     container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
     assert not container.get_blob_client("outputs/model.safetensors").exists()
+
+
+def test_a_request_id_or_time_with_403_in_it_is_not_access_denied() -> None:
+    """Azure's messages carry a request id and a time; "403" among their digits once made a missing blob
+    "access denied" in a run of the tests (the id is random: about one error in a hundred)."""
+    missing = (
+        "The specified blob does not exist. RequestId:8a403b1c-0f2e-4033-9403-a1b2c3d4e5f6 "
+        "Time:2026-11-29T13:28:41.403Z ErrorCode:BlobNotFound"
+    )
+    assert diagnose(FileNotFoundError(missing), Credentials()).text == "not found; check the container and path"
+    for refused in ("Operation returned an invalid status 'Forbidden' (403)", "Server responded with status 403"):
+        assert diagnose(OSError(refused), Credentials()).text.startswith("access denied: these credentials may not")
 
 
 def test_wrong_key_is_one_clear_line(azurite: Azurite, tiny_imagefolder: Path, tmp_path: Path) -> None:

@@ -335,6 +335,11 @@ def _is_folder(name: str, blob: Any) -> bool:
     )
 
 
+# An HTTP 403 named in a message; not the digits of a request id or a time, which Azure's messages carry (a
+# missing blob's "RequestId:8a403…" read as access denied).
+_STATUS_403 = re.compile(r"(?<![\w.:-])403(?![\w.:-])")
+
+
 @dataclass(frozen=True)
 class StorageProblem:
     text: str  # one short line, without secrets, with the fix when known
@@ -352,7 +357,7 @@ def diagnose(exc: BaseException, creds: Credentials) -> StorageProblem:
             "AZURE_STORAGE_CONNECTION_STRING / AZURE_STORAGE_ACCOUNT_KEY",
             unreachable=False,
         )
-    if "authorizationpermissionmismatch" in lowered or "403" in lowered or "permission" in lowered:
+    if "authorizationpermissionmismatch" in lowered or _STATUS_403.search(lowered) or "permission" in lowered:
         return StorageProblem("access denied: these credentials may not do this (a read-only SAS token?)", False)
     if "must provide" in lowered or "no credentials" in lowered or "unable to locate credentials" in lowered:
         return StorageProblem(
