@@ -347,7 +347,8 @@ def test_a_request_id_or_time_with_403_in_it_is_not_access_denied() -> None:
         "Time:2026-11-29T13:28:41.403Z ErrorCode:BlobNotFound"
     )
     assert diagnose(FileNotFoundError(missing), Credentials()).text == "not found; check the container and path"
-    for refused in ("Operation returned an invalid status 'Forbidden' (403)", "Server responded with status 403"):
+    refusals = ("Operation returned an invalid status 'Forbidden' (403)", "HTTP 403: Forbidden", "Server said 403.")
+    for refused in refusals:
         assert diagnose(OSError(refused), Credentials()).text.startswith("access denied: these credentials may not")
 
 

@@ -337,7 +337,7 @@ def _is_folder(name: str, blob: Any) -> bool:
 
 # An HTTP 403 named in a message; not the digits of a request id or a time, which Azure's messages carry (a
 # missing blob's "RequestId:8a403…" read as access denied).
-_STATUS_403 = re.compile(r"(?<![\w.:-])403(?![\w.:-])")
+_STATUS_403 = re.compile(r"(?<![\w.:-])403(?![\w-]|[.:]\d)")  # "HTTP 403: Forbidden" and "status 403." count
 
 
 @dataclass(frozen=True)
