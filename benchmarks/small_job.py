@@ -230,7 +230,8 @@ def main() -> None:
         data = small_split(render_digits(workdir / "digits"), workdir / "small", args.per_class)
         # NOTE: only now: rendering imports scikit-learn, which sets KMP_* variables in this process's environment,
         # and a job whose such variables differ from the warm start's starts cold (as it should).
-        stack.enter_context(warm_start(workdir / "warm-start" / "agents.sock"))
+        if any(name.endswith("warm start") for name in names):
+            stack.enter_context(warm_start(workdir / "warm-start" / "agents.sock"))
         for round_index in range(args.rounds):
             shift = round_index % len(names)
             for name in names[shift:] + names[:shift]:
