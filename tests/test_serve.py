@@ -225,6 +225,9 @@ def _refuses_connections(host: str, port: int) -> bool:
         socket.create_connection((host, port), timeout=5).close()
     except ConnectionRefusedError:
         return True
+    except ConnectionResetError:
+        # The kernel answered with a reset while the listener was being closed: the next try is refused.
+        return False
     return False
 
 
