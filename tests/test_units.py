@@ -20,7 +20,7 @@ import torch
 from conftest import run_cli, wait_for
 
 from clusterfit.backends.torchrun import threads_per_worker
-from clusterfit.data.imagefolder import ShardSampler
+from clusterfit.data.imagefolder import CountedBatches, KeptBatches, ShardSampler
 from clusterfit.data.synthetic import SyntheticData
 from clusterfit.models import build_model
 from clusterfit.monitoring.tracebacks import HeldTracebacks
@@ -128,6 +128,42 @@ def test_validation_batches_are_twice_the_training_batch(tiny_imagefolder: Path)
     )
     sizes = [len(labels) for _, labels in loader]
     assert sizes == [8, 7] and loader.take_reads()[0] == 15  # 3 classes x 5 validation images, each once
+
+
+def test_a_small_validation_set_is_read_once_and_replayed_from_memory(
+    tiny_imagefolder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The validation transform is deterministic: later validations get the first one's tensors and read no
+    file. A pass cut short keeps nothing, and a share over the budget is read again at every validation."""
+    from clusterfit.data import loaders
+    from clusterfit.data.folders import inspect_data
+    from clusterfit.spec.model import TrainerSpec
+
+    data = {"train": str(tiny_imagefolder / "train"), "val": str(tiny_imagefolder / "val"), "image_size": 32}
+    trainer = TrainerSpec(data={**data, "loader_workers": 1}, batch_size=4)
+    facts = inspect_data(trainer.data)
+
+    def build() -> CountedBatches | KeptBatches:
+        loader = loaders.build_val_loader(trainer, facts, rank=0, world_size=1, local_world_size=1, pin_memory=False)
+        assert loader is not None
+        return loader
+
+    loader = build()
+    assert isinstance(loader, KeptBatches)
+    next(iter(loader))  # cut short: nothing kept
+    loader.take_reads()
+    first = list(loader)
+    assert loader.take_reads()[0] == 15
+    again = list(loader)
+    assert loader.take_reads() == (0, [])
+    assert all(a is b for (a, _), (b, _) in zip(first, again, strict=True))
+    # 15 images of 3x32x32 bytes: a budget of 14 of them keeps none
+    monkeypatch.setattr(loaders, "KEPT_VAL_BYTES", 14 * 3 * 32 * 32)
+    unkept = build()
+    assert isinstance(unkept, CountedBatches)
+    assert [len(labels) for _, labels in unkept] == [8, 7] and unkept.take_reads()[0] == 15
+    assert [torch.equal(a, b) for (a, _), (b, _) in zip(first, unkept, strict=True)] == [True, True]
+    assert unkept.take_reads()[0] == 15
 
 
 def test_validation_shards_cover_each_sample_once() -> None:

@@ -93,6 +93,31 @@ class CountedBatches:
         return reads, bad
 
 
+class KeptBatches:
+    """Validation batches read once, then replayed from memory: the validation transform is deterministic, so
+    every later validation would decode the same files into the same tensors. For validation sets whose decoded
+    share fits `KEPT_VAL_BYTES` (tf.data's `cache()`, chosen here by size): a small job that validates after
+    every epoch of seconds otherwise spends part of each validation waiting for its loader. A pass cut short
+    keeps nothing; a replay reads no file, so it counts no reads."""
+
+    def __init__(self, batches: CountedBatches) -> None:
+        self.batches = batches
+        self._kept: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._kept is not None:
+            yield from self._kept
+            return
+        kept = []
+        for batch in self.batches:
+            kept.append(batch)
+            yield batch
+        self._kept = kept
+
+    def take_reads(self) -> tuple[int, list[BadRead]]:
+        return self.batches.take_reads()
+
+
 def train_transform(train_crop: int, augment: ResolvedAugment | None = None) -> TrainTransform:
     """The job's augmentation (`trainer.augment`, resolved for its training crop); ImageNet's without one."""
     if augment is None:
