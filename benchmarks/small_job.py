@@ -34,13 +34,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from clusterfit.backends.warm_start import READY_LINE, WARM_START_ENV
+from clusterfit.backends.warm_start import WARM_START_ENV, running_warm_start
 from clusterfit.bench.machine import cpu_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -181,22 +180,6 @@ def plain_loop(workdir: Path, data: Path, args: argparse.Namespace) -> dict:
     }
 
 
-@contextlib.contextmanager
-def warm_start(socket_path: Path) -> Iterator[None]:
-    """`clusterfit warm-start` at `socket_path`, once it listens; stopped after."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "clusterfit", "warm-start", "--socket", str(socket_path)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert process.stdout is not None and process.stdout.readline().startswith(READY_LINE)
-        yield
-    finally:
-        process.terminate()
-        process.wait()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--epochs", type=int, default=40)
@@ -231,7 +214,7 @@ def main() -> None:
         # NOTE: only now: rendering imports scikit-learn, which sets KMP_* variables in this process's environment,
         # and a job whose such variables differ from the warm start's starts cold (as it should).
         if any(name.endswith("warm start") for name in names):
-            stack.enter_context(warm_start(workdir / "warm-start" / "agents.sock"))
+            stack.enter_context(running_warm_start(workdir / "warm-start" / "agents.sock"))
         for round_index in range(args.rounds):
             shift = round_index % len(names)
             for name in names[shift:] + names[:shift]:

@@ -25,6 +25,7 @@ from conftest import (
     wait_for_first_checkpoint,
     write_job,
 )
+from service_server import ServerProcess, make_token
 
 from clusterfit.backends.agent import AGENT_MODULE
 from clusterfit.backends.warm_start import (
@@ -250,3 +251,30 @@ def test_a_socket_in_a_shared_folder_is_refused_in_one_line(tmp_path: Path) -> N
     assert result.stderr.strip().splitlines()[-1] == (
         f"error: {shared}: not a private folder of this account; pick --socket in one that is"
     ), result.stderr
+
+
+def test_a_server_with_warm_start_forks_its_jobs_agents_from_its_own(tmp_path: Path) -> None:
+    """`clusterfit server --warm-start` runs a warm start of its own beside it, whatever its environment names
+    (here: none), and the agent of a job it runs is forked from it; stopped, the server stops it too."""
+    out = tmp_path / "out"
+    job = tiny_job(out, steps_per_epoch=20)
+    job["environment_variables"] = {"CLUSTERFIT_FAULT": "slow:rank=0:step=1:seconds=0.25"}  # about 5 s
+    with ServerProcess("--warm-start", env={WARM_START_ENV: ""}) as server:
+        assert server.process is not None
+        [own] = [p for p in psutil.Process(server.process.pid).children() if "warm-start" in p.cmdline()]
+        token = ["--server", server.url, "--token", make_token("submit")]
+        submitted = run_cli("submit", str(write_job(tmp_path / "job.yaml", job)), *token)
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.strip()
+        rank0 = out / "logs" / "rank-0.log"
+        wait_for(lambda: rank0.exists() and " step " in rank0.read_text(), 120, "the job to train")
+        agents = [psutil.Process(pid) for pid in processes_mentioning(AGENT_MODULE)]
+        assert [agent.ppid() for agent in agents if str(out) in " ".join(agent.cmdline())] == [own.pid]
+
+        def state() -> str:
+            shown = run_cli("status", job_id, "--json", *token)
+            return str(json.loads(shown.stdout)["state"]) if shown.returncode == 0 else ""
+
+        assert wait_for(lambda: state() in ("SUCCEEDED", "FAILED") and state(), 120, "the job's end") == "SUCCEEDED"
+        assert "started cold" not in (out / "logs" / "agent.log").read_text()
+    own.wait(30)  # raises unless it ended with the server (not its child: no exit code to read)

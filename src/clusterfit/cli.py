@@ -7,7 +7,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Optional
@@ -356,6 +357,14 @@ def server(
     max_queued_per_owner: Annotated[
         int, typer.Option(min=1, help="Jobs one owner may have waiting in the queue; more are answered 429.")
     ] = 1000,
+    warm_start: Annotated[
+        bool,
+        typer.Option(
+            "--warm-start",
+            help="Run `clusterfit warm-start` beside the server and fork its local jobs' agents from it "
+            "(those of this account; other accounts' start cold).",
+        ),
+    ] = False,
 ) -> None:
     """Serve the job service's HTTP API and web dashboard over the local store.
 
@@ -391,7 +400,28 @@ def server(
     say = partial(console.print, markup=False, highlight=False, soft_wrap=True)
     # Failed authentications and maintenance errors go to stderr with their time, for the operator.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(_store(), sock, settings, tls_cert=tls_cert, tls_key=tls_key, announce=say)
+    with contextlib.ExitStack() as stack:
+        if warm_start:
+            stack.enter_context(_server_warm_start(say))
+        serve(_store(), sock, settings, tls_cert=tls_cert, tls_key=tls_key, announce=say)
+
+
+@contextlib.contextmanager
+def _server_warm_start(say: Callable[[str], object]) -> Iterator[None]:
+    """The server's own `clusterfit warm-start`, named in its environment, which its supervisors inherit. Its
+    socket is in a private folder of the server's own (mkdtemp's is 0700): a user's warm start at the default
+    path goes on undisturbed."""
+    from clusterfit.backends.warm_start import WARM_START_ENV, WarmStartUnavailable, running_warm_start
+
+    with tempfile.TemporaryDirectory(prefix="clusterfit-server-") as folder, contextlib.ExitStack() as stack:
+        socket_path = Path(folder) / "warm-start.sock"
+        try:
+            stack.enter_context(running_warm_start(socket_path))
+        except WarmStartUnavailable as exc:
+            raise _fail(f"--warm-start: {exc}; or leave --warm-start out") from None
+        os.environ[WARM_START_ENV] = str(socket_path)
+        say(f"local jobs' agents fork from the warm start at {socket_path}")
+        yield
 
 
 def _owner_accounts(pairs: list[str]) -> dict[str, str]:

@@ -38,7 +38,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, NoReturn
@@ -105,6 +105,27 @@ def default_socket_path() -> Path:
     """A socket in a folder only this account can enter: the session's runtime folder, else the temp folder."""
     runtime = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
     return Path(runtime) / f"clusterfit-{os.getuid()}" / "warm-start.sock"
+
+
+@contextlib.contextmanager
+def running_warm_start(socket_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """`clusterfit warm-start` at `socket_path`, started beside this process and yielded once it listens; asked
+    to stop after, when it ends once the agents it started have ended. The kernel stops it too if this process
+    dies (SIGTERM: the same graceful end)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "clusterfit", "warm-start", "--socket", str(socket_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=stop_with_parent,  # noqa: PLW1509 - before this process starts any thread
+    )
+    try:
+        assert process.stdout is not None
+        ready = process.stdout.readline()  # once torch, torchvision and the trainer are imported
+        if not ready.startswith(READY_LINE):
+            raise WarmStartUnavailable(f"clusterfit warm-start did not start at {socket_path}; its error is above")
+        yield process
+    finally:
+        process.terminate()
 
 
 def load_time_differences(job_env: Mapping[str, str], own_env: Mapping[str, str]) -> list[str]:
