@@ -40,6 +40,7 @@ from clusterfit.backends.warm_start import (
     start_agent,
     why_cold,
 )
+from clusterfit.service.migrate import open_store
 
 
 def test_variables_read_while_starting_must_match_and_the_rest_may_differ() -> None:
@@ -268,13 +269,16 @@ def test_a_server_with_warm_start_forks_its_jobs_agents_from_its_own(tmp_path: P
         job_id = submitted.stdout.strip()
         rank0 = out / "logs" / "rank-0.log"
         wait_for(lambda: rank0.exists() and " step " in rank0.read_text(), 120, "the job to train")
-        agents = [psutil.Process(pid) for pid in processes_mentioning(AGENT_MODULE)]
-        assert [agent.ppid() for agent in agents if str(out) in " ".join(agent.cmdline())] == [own.pid]
-
-        def state() -> str:
-            shown = run_cli("status", job_id, "--json", *token)
-            return str(json.loads(shown.stdout)["state"]) if shown.returncode == 0 else ""
-
-        assert wait_for(lambda: state() in ("SUCCEEDED", "FAILED") and state(), 120, "the job's end") == "SUCCEEDED"
+        parent_of_titled = {
+            p.pid: p.info["ppid"]
+            for p in psutil.process_iter(["cmdline", "ppid"])
+            if AGENT_MODULE in (line := " ".join(p.info["cmdline"] or [])) and str(out) in line
+        }
+        # The agent's own children show its command line until they retitle themselves: the agent is the one
+        # whose parent does not.
+        assert [ppid for ppid in parent_of_titled.values() if ppid not in parent_of_titled] == [own.pid]
+        ended = ("SUCCEEDED", "FAILED", "CANCELLED")
+        state = wait_for(lambda: (s := open_store().get(job_id).state) in ended and s, 120, "the job's end")
+        assert state == "SUCCEEDED", run_cli("status", job_id, *token).stdout
         assert "started cold" not in (out / "logs" / "agent.log").read_text()
     own.wait(30)  # raises unless it ended with the server (not its child: no exit code to read)
