@@ -282,3 +282,4 @@ def test_a_server_with_warm_start_forks_its_jobs_agents_from_its_own(tmp_path: P
         assert state == "SUCCEEDED", run_cli("status", job_id, *token).stdout
         assert "started cold" not in (out / "logs" / "agent.log").read_text()
     own.wait(30)  # raises unless it ended with the server (not its child: no exit code to read)
+    assert f"export {WARM_START_ENV}" not in "".join(server.output), "the server sets it; nobody need export it"

@@ -739,6 +739,9 @@ def warm_start(
         Optional[Path],  # noqa: UP045
         typer.Option("--socket", help="Where to listen; default: a private folder of this account's runtime folder."),
     ] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", help="No `export` line for a shell: the program that started it sets it.")
+    ] = False,
 ) -> None:
     """Keep torch, torchvision and the trainer imported, and fork every local job's agent from here.
 
@@ -748,7 +751,8 @@ def warm_start(
     from clusterfit.backends.warm_start import WARM_START_ENV, default_socket_path, serve
 
     path = (socket_path or default_socket_path()).absolute()
-    errors.print(f"export {WARM_START_ENV}={path}", markup=False, highlight=False)
+    if not quiet:
+        errors.print(f"export {WARM_START_ENV}={path}", markup=False, highlight=False)
     try:
         serve(path)
     except ClusterfitError as exc:  # a socket path it cannot use

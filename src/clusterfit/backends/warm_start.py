@@ -113,7 +113,7 @@ def running_warm_start(socket_path: Path) -> Iterator[subprocess.Popen[str]]:
     to stop after, when it ends once the agents it started have ended. The kernel stops it too if this process
     dies (SIGTERM: the same graceful end)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "clusterfit", "warm-start", "--socket", str(socket_path)],
+        [sys.executable, "-m", "clusterfit", "warm-start", "--socket", str(socket_path), "--quiet"],
         stdout=subprocess.PIPE,
         text=True,
         preexec_fn=stop_with_parent,  # noqa: PLW1509 - before this process starts any thread
