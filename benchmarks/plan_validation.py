@@ -55,6 +55,7 @@ class Published:
     rate_of: tuple[str, float]  # (model, its published 1-device images/s) whose FLOP rate this model runs at
     bucket_mb: float | None = None  # the all-reduce's bucket (fusion buffer); None: DDP's 25 MB
     synthetic: bool = True  # else the images are decoded on the host cores of the device's DGX
+    workers_per_device: int | None = None  # the DataLoader workers feeding each GPU
 
 
 NVIDIA = "NVIDIA DGX, PyTorch"
@@ -63,12 +64,16 @@ FUSION_MB = 64  # Horovod's fusion buffer then
 TORCHVISION_IMAGES_PER_CORE = 215.0  # `clusterfit bench data`, torchvision's ImageFolder + PIL transforms
 
 
+# DataLoader workers per GPU in the recipe's configs.yml of the time (`platform: ... workers:`).
+RECIPE_WORKERS = {"v100": 8, "a100": 16}
+
+
 def _nvidia(device: str, precision: str, batch: int, network: str, one_gpu: float, eight_gpus: float) -> Published:
     """A ResNet-50 result on one 8-GPU DGX node, with its own 1-GPU rate, decoding on the DGX's host cores."""
     efficiency = eight_gpus / (8 * one_gpu)
     return Published(
         NVIDIA, "resnet50", 224, batch, device, precision, 1, 8, network, efficiency, ("resnet50", one_gpu),
-        synthetic=False,
+        synthetic=False, workers_per_device=RECIPE_WORKERS[device],
     )  # fmt: skip
 
 
@@ -105,8 +110,9 @@ def predicted(point: Published, *, from_datasheet: bool = False, with_input: boo
     flop_per_s = rated_images_per_s * _profile(rated_model, point.image_size).train_flop_per_image
     images_per_s = None if from_datasheet else flop_per_s / profile.train_flop_per_image
     rate = device_rate(hardware, profile, images_per_s)
-    data = input_pipeline(point.synthetic or not with_input, hardware, TORCHVISION_IMAGES_PER_CORE)
-    work = workload(profile, point.batch, "ddp", "none", rate, point.bucket_mb, data.node_images_per_s)
+    synthetic = point.synthetic or not with_input
+    data = input_pipeline(synthetic, hardware, TORCHVISION_IMAGES_PER_CORE, point.workers_per_device)
+    work = workload(profile, point.batch, "ddp", "none", rate, point.bucket_mb, data.host)
     link = slowest_link(point.nodes, DEVICES[point.device].intra_node, NETWORKS[point.network])
     return step_split(work, point.nodes * point.per_node, link, point.per_node)
 
@@ -122,7 +128,11 @@ def main() -> None:
         split, datasheet = predicted(point), predicted(point, from_datasheet=True)
         no_input = predicted(point, with_input=False)
         cores = DEVICES[point.device].host_cores
-        data = "synthetic" if point.synthetic else f"{cores} cores x {TORCHVISION_IMAGES_PER_CORE:.0f}/s"
+        data = (
+            "synthetic"
+            if point.synthetic
+            else f"{cores} cores x {TORCHVISION_IMAGES_PER_CORE:.0f}/s, {point.workers_per_device} workers per GPU"
+        )
         errors.append(abs(split.efficiency - point.efficiency) * 100)
         datasheet_errors.append(abs(datasheet.efficiency - point.efficiency) * 100)
         inside += split.efficiency_without_overlap <= point.efficiency <= split.efficiency

@@ -557,7 +557,11 @@ def plan(
     ] = None,
     host_cores: Annotated[
         Optional[int],  # noqa: UP045 - typer needs Optional here
-        typer.Option(min=1, help="CPU cores per node that decode the images (default: the device's DGX host)."),
+        typer.Option(
+            min=1,
+            help="Physical CPU cores per node that decode the images, two hardware threads each (default: the "
+            "device's DGX host).",
+        ),
     ] = None,
     decode_per_core: Annotated[
         Optional[float],  # noqa: UP045 - typer needs Optional here

@@ -49,10 +49,7 @@ class TrainData(Protocol):
 
 
 def loader_workers(data: DataSpec, local_world_size: int) -> int:
-    if data.loader_workers is not None:
-        return data.loader_workers
-    cores = len(os.sched_getaffinity(0))
-    return max(1, min(8, cores // max(1, local_world_size)))
+    return data.workers_per_rank(len(os.sched_getaffinity(0)), local_world_size)
 
 
 def val_preprocessing(data: DataSpec) -> Preprocessing:

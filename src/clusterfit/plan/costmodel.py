@@ -4,8 +4,9 @@ and the part of that all-reduce that backward does not hide (DDP's bucketed over
 every formula is tested on its own and the planner's table is reproducible from its inputs.
 
 The host's cores decode and augment the images in loader workers that run ahead of the devices, so the input
-pipeline only shows when a node's devices consume images faster than its cores prepare them: step time on n
-devices = the longer of (compute + exposed all-reduce) and (the node's share of images / its cores' rate);
+pipeline only shows when a node's devices consume images faster than its workers prepare them: step time on n
+devices = the longer of (compute + exposed all-reduce) and (the node's share of images / its workers' rate),
+where a worker is one process, so the node's devices get at most one core per worker;
 efficiency = 1-device step / n-device step (weak scaling, a fixed batch per device), the figure published for
 NVIDIA's and Horovod's multi-GPU results."""
 
@@ -28,15 +29,30 @@ class Link:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostInput:
+    """One node's host preparing images for its devices: DataLoader workers, each a process that keeps at most
+    one of the host's cores busy, each core at `images_per_core`."""
+
+    cores: int
+    images_per_core: float
+    workers_per_device: int | None = None  # None: enough to keep every core busy
+
+    def images_per_s(self, devices_on_node: int) -> float:
+        if self.workers_per_device is None:
+            return self.cores * self.images_per_core
+        workers = max(1, self.workers_per_device) * devices_on_node  # 0 workers: the rank loads its own
+        return min(self.cores, workers) * self.images_per_core
+
+
+@dataclass(frozen=True, kw_only=True)
 class Workload:
     train_flop_per_image: float  # forward + backward, at the job's image size
     gradient_bytes: float  # what one all-reduce moves per step (parameters x gradient element size)
     batch_per_device: int
     device_flop_per_s: float  # the rate one device reaches on this model (peak x utilization, or measured)
     bucket_bytes: float = DDP_BUCKET_BYTES
-    # What one node's host cores decode and augment per second for all of its devices; None: not modelled
-    # (synthetic data has nothing to prepare).
-    node_images_per_s: float | None = None
+    # What decodes and augments one node's images; None: not modelled (synthetic data has nothing to prepare).
+    host: HostInput | None = None
 
 
 @dataclass(frozen=True)
@@ -82,10 +98,10 @@ def exposed_allreduce_s(allreduce_s: float, backward_s: float, buckets: int) -> 
 
 
 def input_s(work: Workload, devices_on_node: int) -> float:
-    """The node's cores preparing one step's batch for each of its devices (0 for synthetic data)."""
-    if work.node_images_per_s is None:
+    """The node's loader workers preparing one step's batch for each of its devices (0 for synthetic data)."""
+    if work.host is None:
         return 0.0
-    return work.batch_per_device * devices_on_node / work.node_images_per_s
+    return work.batch_per_device * devices_on_node / work.host.images_per_s(devices_on_node)
 
 
 def step_split(work: Workload, devices: int, link: Link, devices_per_node: int = 1) -> StepSplit:
@@ -95,7 +111,7 @@ def step_split(work: Workload, devices: int, link: Link, devices_per_node: int =
     allreduce = ring_allreduce_s(work.gradient_bytes, devices, link, buckets)
     exposed = exposed_allreduce_s(allreduce, BACKWARD_SHARE * compute, buckets)
     data = input_s(work, min(devices, devices_per_node))
-    one_device = max(compute, input_s(work, 1))  # the reference: one device with the whole host
+    one_device = max(compute, input_s(work, 1))  # the reference: one device, its own workers on an idle host
     step = max(compute + exposed, data)
     return StepSplit(
         devices=devices,

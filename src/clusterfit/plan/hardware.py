@@ -9,8 +9,9 @@ bandwidths (what nccl-tests reports), about 90 % of a network's line rate. Pass 
 to replace the compute estimate altogether.
 
 The input pipeline: the V100, A100 and H100 name the host of NVIDIA's DGX system built on them (its physical
-cores, which decode and augment the images in loader workers), and a core's rate is measured by `clusterfit
-bench data` here. Pass `--host-cores` and `--decode-per-core` for your own hosts (the P100 has no default)."""
+cores, which decode and augment the images in loader workers, and its hardware threads, which set how many
+workers a job starts by default), and a core's rate is measured by `clusterfit bench data` here. Pass
+`--host-cores` and `--decode-per-core` for your own hosts (the P100 has no default)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class Device:
     note: str
     host: str = ""  # the reference system whose host cores prepare the images
     host_cores: int | None = None  # its physical cores; None: no reference host, pass --host-cores
+    # The CPUs a job there sees (two hardware threads per core), which set its loader workers' default count.
+    host_cpus: int | None = None
 
 
 _NVLINK_V100 = Link(name="NVLink (DGX-1, hybrid cube mesh)", bytes_per_s=130 * GB, latency_s=5e-6)
@@ -58,6 +61,7 @@ DEVICES: dict[str, Device] = {
         note="utilization from NVIDIA's DGX-1 ResNet-50 results",
         host="DGX-1: 2 x 20-core Xeon E5-2698 v4",
         host_cores=40,
+        host_cpus=80,
     ),
     "a100": Device(
         name="NVIDIA A100 (SXM4)",
@@ -67,6 +71,7 @@ DEVICES: dict[str, Device] = {
         note="utilization from NVIDIA's DGX A100 ResNet-50 results",
         host="DGX A100: 2 x 64-core EPYC 7742",
         host_cores=128,
+        host_cpus=256,
     ),
     "h100": Device(
         name="NVIDIA H100 (SXM5)",
@@ -76,6 +81,7 @@ DEVICES: dict[str, Device] = {
         note="utilization assumed equal to the A100's (no published H100 ResNet-50 result used)",
         host="DGX H100: 2 x 56-core Xeon Platinum 8480C",
         host_cores=112,
+        host_cpus=224,
     ),
 }
 

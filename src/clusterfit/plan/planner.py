@@ -7,7 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from clusterfit.plan.costmodel import DDP_BUCKET_BYTES, Link, StepSplit, Workload, slowest_link, step_split
+from clusterfit.plan.costmodel import (
+    DDP_BUCKET_BYTES,
+    HostInput,
+    Link,
+    StepSplit,
+    Workload,
+    slowest_link,
+    step_split,
+)
 from clusterfit.plan.hardware import (
     CPU_INTRA_NODE,
     CPU_UTILIZATION,
@@ -39,13 +47,14 @@ class Hardware:
     devices_per_node: int
     network: Link
     host_cores: int | None = None  # per node, preparing the images; None: not modelled
+    host_cpus: int | None = None  # what a job on the node counts as its CPUs (hardware threads)
 
 
 @dataclass(frozen=True)
 class InputPipeline:
     """What prepares the job's images on each node, as the plan states it."""
 
-    node_images_per_s: float | None  # None: not modelled (synthetic data, or no host cores known)
+    host: HostInput | None  # None: not modelled (synthetic data, or no host cores known)
     description: str
 
 
@@ -70,7 +79,7 @@ def workload(
     compression: str,
     device_flop_per_s: float,
     bucket_mb: float | None = None,
-    node_images_per_s: float | None = None,
+    host: HostInput | None = None,
 ) -> Workload:
     check_modelled(strategy, compression)
     return Workload(
@@ -79,7 +88,7 @@ def workload(
         batch_per_device=batch,
         device_flop_per_s=device_flop_per_s,
         bucket_bytes=bucket_mb * 2**20 if bucket_mb else DDP_BUCKET_BYTES,
-        node_images_per_s=node_images_per_s,
+        host=host,
     )
 
 
@@ -97,9 +106,11 @@ def check_modelled(strategy: str, compression: str) -> None:
 def gpu_hardware(
     device: str, precision: str, nodes: int, per_node: int, network: str, nics: int, host_cores: int | None = None
 ) -> Hardware:
-    """`host_cores` per node; None: the reference system's (a DGX's) where the device table names one."""
+    """`host_cores` per node; None: the reference system's (a DGX's) where the device table names one. A host
+    named by its cores is taken to run two hardware threads on each, as every DGX does."""
     if device not in DEVICES:
         raise SpecError(f"--device {device}: unknown; choose one of {', '.join([*DEVICES, 'cpu'])}")
+    cpus = 2 * host_cores if host_cores else DEVICES[device].host_cpus
     return Hardware(
         device=DEVICES[device],
         precision=device_precision(precision),
@@ -107,24 +118,35 @@ def gpu_hardware(
         devices_per_node=per_node,
         network=network_link(network, nics),
         host_cores=host_cores or DEVICES[device].host_cores,
+        host_cpus=cpus,
     )
 
 
-def input_pipeline(synthetic: bool, hardware: Hardware, per_core: float | None) -> InputPipeline:
-    """The node's images/s: its host cores x one core's decode + augment rate (`--decode-per-core`, or clusterfit's
-    folder reader as measured here)."""
+def input_pipeline(
+    synthetic: bool, hardware: Hardware, per_core: float | None, workers_per_device: int | None
+) -> InputPipeline:
+    """The node's loader workers (`workers_per_device` for each device, a core each at most; None: enough for
+    every core) at one core's decode + augment rate (`--decode-per-core`, or clusterfit's folder reader as
+    measured here)."""
     if synthetic:
         return InputPipeline(None, "synthetic, nothing to decode")
     cores = hardware.host_cores
     if cores is None:
         return InputPipeline(None, f"not modelled: pass --host-cores for the hosts of {hardware.device.name}")
     rate = per_core or FOLDER_IMAGES_PER_CORE
+    host = HostInput(cores=cores, images_per_core=rate, workers_per_device=workers_per_device)
     measured = "--decode-per-core" if per_core else "clusterfit's folder reader, measured on a 2.1 GHz Xeon"
     if hardware.device.host and cores == hardware.device.host_cores:
         cores_of = f"{cores} host cores ({hardware.device.host})"
     else:
         cores_of = f"{cores} host cores"
-    return InputPipeline(cores * rate, f"{cores_of} x {rate:,.0f} images/s each ({measured}) = {cores * rate:,.0f}/s")
+    per_node = hardware.devices_per_node
+    workers = "" if workers_per_device is None else f", {workers_per_device} loader workers per device"
+    return InputPipeline(
+        host,
+        f"{cores_of} x {rate:,.0f} images/s each ({measured}){workers} = {host.images_per_s(1):,.0f}/s for 1 "
+        f"device, {host.images_per_s(per_node):,.0f}/s for {per_node}",
+    )
 
 
 def network_link(network: str, nics: int) -> Link:
@@ -174,7 +196,8 @@ def make_plan(profile: ModelProfile, hardware: Hardware, work: Workload, data: s
 def advice(work: Workload, hardware: Hardware, last: tuple[int, StepSplit]) -> list[str]:
     """What would lift the largest configuration's efficiency, each option's effect computed, not guessed."""
     nodes, split = last
-    if split.efficiency >= GOOD_EFFICIENCY:
+    # A node whose loader workers cannot feed even one device scales "well" against a reference that waits too.
+    if split.efficiency >= GOOD_EFFICIENCY and not split.data_bound:
         return [
             f"{split.efficiency:.0%} efficient on {split.devices} devices: neither communication nor the input "
             "pipeline is the limit"
@@ -183,18 +206,31 @@ def advice(work: Workload, hardware: Hardware, last: tuple[int, StepSplit]) -> l
     link = slowest_link(nodes, hardware.device.intra_node, hardware.network)
 
     def efficiency(changed: Workload, link: Link = link) -> str:
-        return f"{step_split(changed, split.devices, link, per_node).efficiency:.0%}"
+        # images/s too: a change that speeds up the 1-device reference as much leaves the efficiency as it was
+        changed_split = step_split(changed, split.devices, link, per_node)
+        return f"{changed_split.images_per_s:,.0f} images/s, {changed_split.efficiency:.0%} efficient"
 
-    if split.data_bound:
-        consumed = min(split.devices, per_node) * work.batch_per_device / (split.compute_s + split.exposed_s)
-        node_rate = work.node_images_per_s or 0.0
+    if split.data_bound and work.host is not None:
+        host, on_node = work.host, min(split.devices, per_node)
+        consumed = on_node * work.batch_per_device / (split.compute_s + split.exposed_s)
         lines = [
-            f"{split.efficiency:.0%} efficient on {split.devices} devices: the input pipeline is the limit; a node's "
-            f"host cores prepare {node_rate:,.0f} images/s where its devices would take {consumed:,.0f}",
+            f"{split.efficiency:.0%} efficient on {split.devices} devices, and the input pipeline is the limit: a "
+            f"node's loader workers prepare {host.images_per_s(on_node):,.0f} images/s where its devices would take "
+            f"{consumed:,.0f}",
+        ]
+        if host.workers_per_device is not None and host.workers_per_device * per_node < host.cores:
+            one_per_core = host.cores // per_node
+            lines.append(
+                f"trainer.data.loader_workers: {one_per_core}, a worker for each of the host's {host.cores} cores: "
+                + efficiency(replace(work, host=replace(host, workers_per_device=one_per_core)))
+            )
+        packed = replace(host, images_per_core=host.images_per_core * PACKED_IMAGES_PER_CORE / FOLDER_IMAGES_PER_CORE)
+        lines += [
             f"if the job reads image files, packed shards (`clusterfit data pack`, "
             f"{PACKED_IMAGES_PER_CORE / FOLDER_IMAGES_PER_CORE:.1f}x the images per core, measured here): "
-            + efficiency(replace(work, node_images_per_s=node_rate * PACKED_IMAGES_PER_CORE / FOLDER_IMAGES_PER_CORE)),
-            f"twice the host cores per node: {efficiency(replace(work, node_images_per_s=2 * node_rate))}",
+            + efficiency(replace(work, host=packed)),
+            "twice the host cores per node, a loader worker on each: "
+            + efficiency(replace(work, host=replace(host, cores=2 * host.cores, workers_per_device=None))),
         ]
     else:
         lines = [
@@ -272,7 +308,10 @@ def plan_job(
         hardware = gpu_hardware(
             device, trainer.precision, nodes, devices_per_node, interconnect, nics_per_node, host_cores
         )
-        data = input_pipeline(trainer.data.is_synthetic, hardware, decode_per_core)
+        workers = (
+            None if hardware.host_cpus is None else trainer.data.workers_per_rank(hardware.host_cpus, devices_per_node)
+        )
+        data = input_pipeline(trainer.data.is_synthetic, hardware, decode_per_core, workers)
     profile = profile_model(trainer.model, trainer.data.train_crop, trainer.data.num_classes or 1000)
     rate = device_rate(hardware, profile, images_per_s)
     work = workload(
@@ -282,7 +321,7 @@ def plan_job(
         trainer.grad_compression,
         rate,
         trainer.ddp_bucket_cap_mb,
-        data.node_images_per_s,
+        data.host,
     )
     return make_plan(profile, hardware, work, data.description)
 

@@ -28,6 +28,10 @@ from clusterfit.spec.model_names import (
 __all__ = ["MODEL_NAMES"]  # re-exported: the bench commands check their --model flags against it
 
 SYNTHETIC = "synthetic"
+# Loader workers per rank when trainer.data.loader_workers is null: the rank's share of the CPUs, at most this
+# many, the default of torchvision's reference scripts (-j 16) and the per-GPU count of NVIDIA's ResNet-50 recipe
+# on a DGX A100 (16 of its 256 CPUs per GPU). At 8 a DGX A100's ranks left half its cores idle.
+AUTO_LOADER_WORKERS_MAX = 16
 
 
 def is_url(path: str) -> bool:
@@ -73,7 +77,12 @@ class DataSpec(_Strict):
     )
     num_classes: int | None = Field(None, ge=2)
     synthetic_images: int = Field(12_800, ge=1, description="images in one synthetic epoch")
-    loader_workers: int | None = Field(None, ge=0, description="DataLoader processes per rank; null = auto")
+    loader_workers: int | None = Field(
+        None,
+        ge=0,
+        description=f"DataLoader processes per rank; null = the rank's share of the CPUs, at most "
+        f"{AUTO_LOADER_WORKERS_MAX}",
+    )
     shuffle_buffer: int = Field(2048, ge=1, description="packed datasets: samples shuffled together in a block")
     max_bad_fraction: float = Field(
         0.01,
@@ -115,6 +124,12 @@ class DataSpec(_Strict):
     def val_crop(self) -> int:
         """The side of the validation images (and of what a scorer feeds the model): val_crop_size, else image_size."""
         return self.val_crop_size or self.image_size
+
+    def workers_per_rank(self, cpus: int, ranks_on_node: int) -> int:
+        """The DataLoader processes of each rank: loader_workers, or the rank's share of the node's `cpus`."""
+        if self.loader_workers is not None:
+            return self.loader_workers
+        return max(1, min(AUTO_LOADER_WORKERS_MAX, cpus // max(1, ranks_on_node)))
 
 
 class OptimizerSpec(_Strict):
