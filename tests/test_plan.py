@@ -107,6 +107,14 @@ def test_the_planner_feeds_the_devices_with_the_job_s_loader_workers_and_says_wh
     assert "8 loader workers per device = 2,368/s for 1 device, 18,944/s for 8" in text
     assert "and the input pipeline is the limit: a node's loader workers prepare 18,944 images/s" in text
     assert "trainer.data.loader_workers: 16, a worker for each of the host's 128 cores: 19,5" in text
+    # 4 devices on 10 cores: 3 workers each (rounded up), not 2 again.
+    few = plan_job(
+        load_spec(job, [real_images, "trainer.data.loader_workers=2"]),
+        **{**options, "devices_per_node": 4},
+        images_per_s=2470,
+        host_cores=10,
+    )
+    assert "trainer.data.loader_workers: 3, a worker for each of the host's 10 cores: 2,960 images/s" in markdown(few)
 
 
 def test_the_profile_counts_resnet50_as_published() -> None:

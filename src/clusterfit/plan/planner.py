@@ -219,7 +219,7 @@ def advice(work: Workload, hardware: Hardware, last: tuple[int, StepSplit]) -> l
             f"{consumed:,.0f}",
         ]
         if host.workers_per_device is not None and host.workers_per_device * per_node < host.cores:
-            one_per_core = host.cores // per_node
+            one_per_core = -(-host.cores // per_node)  # rounded up: every core gets a worker
             lines.append(
                 f"trainer.data.loader_workers: {one_per_core}, a worker for each of the host's {host.cores} cores: "
                 + efficiency(replace(work, host=replace(host, workers_per_device=one_per_core)))
