@@ -7,7 +7,8 @@ timed. Then, in rotating order for `--rounds` rounds:
 - the store's ceiling: raw concurrent GETs with the Azure SDK's async client, each object read into memory, at
   every concurrency of `--ceiling-concurrency` (each round starts with a different one);
   and once more at `--workers` in flight without the SDK's environment lookups (aiohttp reads the proxy
-  variables and .netrc for every request unless told not to);
+  variables and .netrc for every request unless told not to); and once with plain GETs through aiohttp alone,
+  authorized by a SAS, without the SDK's request pipeline (what staging sends where the credential allows);
 - the same GETs written to plain files, with nothing else (what the node's disk adds), without those lookups;
 - `clusterfit.data.staging.stage` of the small files and of the large file: the copy a job's workers make with
   `mode: download` (`--workers` transfers at a time, sha256 of every file, journal, manifest); and of the small
@@ -15,8 +16,9 @@ timed. Then, in rotating order for `--rounds` rounds:
 
 The benchmark's process freezes the objects of its imports, as the processes that stage in clusterfit do.
 Prints the median and range of each, and staging against the best ceiling, plain GETs into files and (with
-`--previous FILE`, another version of `clusterfit/data/staging.py` measured in the same rotation) the previous
-version: the ratio of medians, and the median and range of the ratio within each round.
+`--previous FILE`, another version of `clusterfit/data/staging.py` measured in the same rotation, one that takes
+`whole_file_reader` as a context manager) the previous version: the ratio of medians, and the median and range
+of the ratio within each round.
 
 With `--listed N`, only the listing is measured instead, on N objects of one byte: fsspec's `find` through
 adlfs (what staging used) against `clusterfit.storage.filesystems.list_files`, in alternation.
@@ -41,12 +43,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from azure.storage.blob import BlobServiceClient  # noqa: E402
+from azure.storage.blob import (  # noqa: E402
+    BlobServiceClient,
+    ContainerSasPermissions,
+    generate_container_sas,
+)
 from azure.storage.blob.aio import ContainerClient  # noqa: E402
 from azurite import Azurite  # noqa: E402 - the tests' helper: one way to start the emulator
 
@@ -84,6 +91,22 @@ async def raw_gets(
                 body = await (await container.download_blob(name)).readall()
                 if into is not None:
                     (into / name).write_bytes(body)
+
+        await asyncio.gather(*(getter() for _ in range(concurrency)))
+
+
+async def plain_gets(endpoint: str, sas: str, names: list[str], concurrency: int) -> None:
+    """Every object by one GET through aiohttp alone, authorized by a SAS: no SDK pipeline on the client."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(trust_env=False, connector=aiohttp.TCPConnector(limit=0)) as http:
+        pending = iter(names)
+
+        async def getter() -> None:
+            for name in pending:
+                async with http.get(f"{endpoint}/{CONTAINER}/{name}?{sas}") as response:
+                    response.raise_for_status()
+                    await response.read()
 
         await asyncio.gather(*(getter() for _ in range(concurrency)))
 
@@ -199,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
                 finally:
                     del os.environ["NO_PROXY"]
 
+            sas = generate_container_sas(
+                service.account_name,
+                CONTAINER,
+                account_key=service.credential.account_key,
+                permission=ContainerSasPermissions(read=True),
+                expiry=datetime.now(timezone.utc) + timedelta(hours=2),
+            )
             measures: dict[str, Callable[[], object]] = {
                 **{
                     f"ceiling: GETs into memory, {c} in flight": (
@@ -208,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 f"ceiling: GETs into memory, {args.workers} in flight, no environment lookups": lambda: asyncio.run(
                     raw_gets(connection, names, args.workers, None, env_lookups=False)
+                ),
+                f"ceiling: plain GETs with a SAS (aiohttp, no SDK pipeline) into memory, {args.workers} in flight": (
+                    lambda: asyncio.run(plain_gets(server.endpoint, sas, names, args.workers))
                 ),
                 f"GETs into files, {args.workers} in flight": lambda: asyncio.run(gets_into_files()),
                 f"clusterfit staging, {args.workers} transfers": lambda: stage(

@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs
 
 import pytest
 import torch
-from azure.storage.blob import BlobServiceClient, ContainerSasPermissions, generate_container_sas
-from azurite import ACCOUNT, KEY, Azurite, silent_store
+from azure.storage.blob import BlobClient, BlobServiceClient, ContainerSasPermissions, generate_container_sas
+from azurite import ACCOUNT, KEY, Azurite, free_port, silent_store
 from conftest import cli_command, one_image_per_class, tiny_job, write_job
 from fsspec.asyn import sync
 from safetensors.torch import save_file
@@ -41,7 +42,9 @@ from clusterfit.data.staging import (
 from clusterfit.data.transforms import TrainCrop
 from clusterfit.models import build_model
 from clusterfit.spec.model import StorageSpec
-from clusterfit.storage.filesystems import diagnose, list_file_pages, list_files
+from clusterfit.storage import blob_gets
+from clusterfit.storage.blob_gets import BlobReader, BlobReadError, plain_blob_reader
+from clusterfit.storage.filesystems import diagnose, list_file_pages, list_files, whole_file_reader
 
 CONTAINER = "data"
 
@@ -337,6 +340,88 @@ def test_read_only_sas_token_reads_but_cannot_write(azurite: Azurite, tiny_image
         fs.pipe_file(f"{CONTAINER}/outputs/model.safetensors", b"weights")
     container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
     assert not container.get_blob_client("outputs/model.safetensors").exists()
+
+
+def test_small_files_come_by_plain_gets_under_a_read_only_sas_of_their_container(azurite: Azurite) -> None:
+    """With the account's key, staging's GETs carry a SAS it made itself: it reads that container and nothing
+    else, writes nothing, and never shows up in an error."""
+    service = BlobServiceClient.from_connection_string(azurite.connection_string())
+    body = os.urandom(3000)
+    service.get_container_client(CONTAINER).upload_blob("plain/a.bin", body, overwrite=True)
+    other = service.get_container_client("other-container")
+    if not other.exists():
+        other.create_container()
+    other.upload_blob("secret.bin", b"not yours", overwrite=True)
+    key = (("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string()),)
+    fs, _ = open_filesystem(f"az://{CONTAINER}/plain", Credentials(variables=key))
+    reader = plain_blob_reader(fs.service_client, 5, 5)
+    assert reader is not None
+    sas = reader.sas_for(CONTAINER)
+    assert parse_qs(sas)["sp"] == ["r"] and parse_qs(sas)["sr"] == ["c"]  # read, one container
+
+    async def reads() -> tuple[bytes, bytes, str]:
+        async with reader.session() as read:
+            whole, head = await read(f"{CONTAINER}/plain/a.bin", None), await read(f"{CONTAINER}/plain/a.bin", 10)
+            with pytest.raises(BlobReadError) as missing:
+                await read(f"{CONTAINER}/plain/absent.bin", None)
+            return whole, head, str(missing.value)
+
+    whole, head, missing = sync(fs.loop, reads)
+    assert whole == body and head == body[:10]
+    assert "HTTP 404" in missing and "BlobNotFound" in missing and parse_qs(sas)["sig"][0] not in missing
+    assert diagnose(BlobReadError(missing), Credentials()).text == "not found; check the container and path"
+    with pytest.raises(Exception, match="AuthorizationPermissionMismatch|AuthorizationFailure|403"):
+        BlobClient.from_blob_url(f"{azurite.endpoint}/{CONTAINER}/plain/written.bin?{sas}").upload_blob(b"x")
+    with pytest.raises(Exception, match="AuthenticationFailed|AuthorizationFailure|403"):
+        BlobClient.from_blob_url(f"{azurite.endpoint}/other-container/secret.bin?{sas}").download_blob().readall()
+
+
+def test_plain_gets_need_a_key_or_a_sas_and_no_proxy(azurite: Azurite, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SAS the job gives is used as it is; a token credential signs each request, and a proxy is the SDK's to
+    honour: both keep the SDK's path."""
+    sas = generate_container_sas(
+        ACCOUNT, CONTAINER, account_key=KEY, permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.now(timezone.utc) + timedelta(hours=1),
+    )  # fmt: skip
+    fs, _ = open_filesystem(f"az://{CONTAINER}/x", Credentials(endpoint=azurite.endpoint, sas_token=sas))
+    given = plain_blob_reader(fs.service_client, 5, 5)
+    assert given is not None and parse_qs(given.sas_for(CONTAINER)) == parse_qs(sas)  # as given (re-quoted)
+
+    class EntraToken:  # what azure-identity's credentials offer the SDK
+        def get_token(self, *scopes: str, **options: Any) -> Any:
+            raise AssertionError("not asked: nothing is requested here")
+
+    from azure.storage.blob.aio import BlobServiceClient as AsyncService
+
+    # Tokens go over HTTPS only; the client makes no request until asked.
+    assert plain_blob_reader(AsyncService(f"https://{ACCOUNT}.invalid", credential=EntraToken()), 5, 5) is None
+
+    async def reader_name(fs: Any) -> str:
+        async with whole_file_reader(fs) as read:
+            return read.__qualname__
+
+    key = (("AZURE_STORAGE_CONNECTION_STRING", azurite.connection_string()),)
+    fs, _ = open_filesystem(f"az://{CONTAINER}/x", Credentials(variables=key))
+    assert sync(fs.loop, reader_name, fs) == "BlobReader.session.<locals>.read"
+    monkeypatch.setenv("NO_PROXY", "example.invalid")
+    fs, _ = open_filesystem(f"az://{CONTAINER}/x", Credentials(variables=key))
+    assert sync(fs.loop, reader_name, fs) == "whole_file_reader.<locals>.read_blob"
+
+
+def test_a_store_that_refuses_connections_is_retried_then_one_line_without_the_sas(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(blob_gets, "FIRST_PAUSE_S", 0.01)
+    reader = BlobReader(f"http://127.0.0.1:{free_port()}/acct", lambda _c: "sv=x&sig=SECRET", "2021-08-06", 2, 2)
+
+    async def read_one() -> None:
+        async with reader.session() as read:
+            await read("data/a.bin", None)
+
+    with pytest.raises(BlobReadError) as failed:
+        asyncio.run(read_one())
+    assert "SECRET" not in str(failed.value) and f"failed {blob_gets.ATTEMPTS} times" in str(failed.value)
+    assert diagnose(failed.value, Credentials()).unreachable  # retryable: running again resumes
 
 
 def test_a_request_id_or_time_with_403_in_it_is_not_access_denied() -> None:

@@ -25,7 +25,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -336,10 +336,9 @@ def _fetch_concurrently(
     lock outlive every write into the cache."""
     from fsspec.asyn import sync
 
-    read = whole_file_reader(fs)
     fetchers = max(1, concurrency)
 
-    async def fetch_all(writers: ThreadPoolExecutor) -> None:
+    async def fetch_with(read: Callable[[str, int | None], Awaitable[bytes]], writers: ThreadPoolExecutor) -> None:
         # Bounded: the listing runs at most a few pages ahead of the fetchers, not a whole bucket's names ahead.
         listed: asyncio.Queue[tuple[str, str, int] | None] = asyncio.Queue(maxsize=_LISTED_AHEAD)
         loop = asyncio.get_running_loop()
@@ -376,6 +375,10 @@ def _fetch_concurrently(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def fetch_all(writers: ThreadPoolExecutor) -> None:
+        async with whole_file_reader(fs) as read:  # its connections are closed before the loop moves on
+            await fetch_with(read, writers)
 
     with ThreadPoolExecutor(thread_name_prefix="staging-write") as writers:  # exits once every write ended
         sync(fs.loop, fetch_all, writers)
