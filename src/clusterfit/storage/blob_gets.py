@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Any
 from urllib.parse import quote
@@ -73,20 +74,13 @@ def _container_sas(account_name: str, account_key: str) -> Callable[[str], str]:
     return sas
 
 
+@dataclass(frozen=True)
 class BlobReader:
-    def __init__(
-        self,
-        endpoint: str,
-        sas_for: Callable[[str], str],
-        api_version: str,
-        connect_timeout_s: float,
-        read_timeout_s: float,
-    ) -> None:
-        self.endpoint = endpoint
-        self.sas_for = sas_for
-        self.api_version = api_version
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
+    endpoint: str  # the account's blob endpoint, without a query
+    sas_for: Callable[[str], str]  # container -> the SAS query for its blobs ("" for a public container)
+    api_version: str  # the SDK's x-ms-version, so the store answers as it answers the SDK
+    connect_timeout_s: float
+    read_timeout_s: float
 
     @asynccontextmanager
     async def session(self) -> AsyncIterator[Callable[[str, int | None], Awaitable[bytes]]]:
