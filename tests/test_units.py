@@ -585,6 +585,24 @@ print(open(f"/proc/{child}/cmdline", "rb").read().split(bytes(1))[0].decode())
     assert child_title("not held") != "the retitled child"  # as the agent was before: the trap is real
 
 
+def test_the_agent_gives_rank_0_a_store_port_outside_the_kernel_s_ephemeral_ports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A port among the ephemeral ones could be taken by any connect() before rank 0 binds it (EADDRINUSE)."""
+    from torch.distributed import HashStore
+    from torch.distributed.elastic.rendezvous import api as rendezvous_api
+
+    from clusterfit.backends.agent import pick_rank_zero_ports_outside_the_ephemeral_range
+
+    low, high = (int(word) for word in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    monkeypatch.setattr(rendezvous_api, "get_free_port", rendezvous_api.get_free_port)  # restored afterwards
+    torch_picks = {rendezvous_api.RendezvousStoreInfo.build(0, HashStore(), "127.0.0.1").master_port for _ in range(5)}
+    assert all(low <= port <= high for port in torch_picks)  # the race is real: torch's own picks
+    pick_rank_zero_ports_outside_the_ephemeral_range()
+    ours = {rendezvous_api.RendezvousStoreInfo.build(0, HashStore(), "127.0.0.1").master_port for _ in range(5)}
+    assert not any(low <= port <= high for port in ours), ours
+
+
 def _rank_1_killed_then_rank_0_fails(index: int) -> None:
     if index == 1:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
         from torch.distributed.elastic.multiprocessing.errors import record
 
     args = torchrun.parse_args(argv)
+    pick_rank_zero_ports_outside_the_ephemeral_range()
     if trainer is not None:
         multiprocessing.set_forkserver_preload([TRAINER_MAIN])  # a server not forked from here imports them
         _fork_the_fork_server()
@@ -66,6 +67,20 @@ def hold_the_process_title() -> None:
     and if anything has set that variable again by then it silently retitles nothing: a fork server then
     showed the agent's command, and a test on Ray took it for a second agent."""
     setproctitle.getproctitle()
+
+
+def pick_rank_zero_ports_outside_the_ephemeral_range() -> None:
+    """Rank 0 hosts a store of its own each rendezvous round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE, set in
+    backends/torchrun.py) on a port the agent picks and releases before rank 0 binds it. torch picks it among the
+    kernel's ephemeral ports, where any connect() on the machine may take it in between: rank 0 then failed
+    with EADDRINUSE (once in a run of the tests). `clusterfit.network.free_port` picks outside them; torch's
+    own pick stays where its module no longer has that function."""
+    from torch.distributed.elastic.rendezvous import api as rendezvous_api
+
+    from clusterfit.network import free_port
+
+    if callable(getattr(rendezvous_api, "get_free_port", None)):
+        rendezvous_api.get_free_port = free_port
 
 
 def runs_the_trainer(argv: list[str]) -> bool:
