@@ -378,6 +378,26 @@ def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> 
         pytest.param(
             Evidence(
                 exit_code=1,
+                exceptions=(
+                    _exception(
+                        0,
+                        10,
+                        "DistNetworkError: The server socket has failed to listen on any local network "
+                        "address. port: 37021, useIpv6: false, code: -98, name: EADDRINUSE, message: address "
+                        "already in use",
+                    ),
+                ),
+                rank_exits={0: 1},
+                root_rank=0,
+            ),
+            FailureCause.UNAVAILABLE,
+            "rank 0: its store's port 37021 was taken by another process before it could bind it; a retry picks "
+            "another port",
+            id="rank-0-store-port-taken",
+        ),
+        pytest.param(
+            Evidence(
+                exit_code=1,
                 exceptions=(_exception(0, 10, "RuntimeError: [pair.cc:561] Connection closed by peer [::1]:1962"),),
                 rank_exits={0: 1},
                 root_rank=0,

@@ -148,6 +148,14 @@ def classify(evidence: Evidence) -> Failure:
         # it was is the cause.
         raised = own or evidence.exceptions
         first = next((e for e in raised if e.rank == root_rank), raised[0])
+        if _PORT_TAKEN.search(first.message):  # rank 0's store, on a port the agent chose a moment before
+            port = _TAKEN_PORT.search(first.message)
+            return Failure(
+                FailureCause.UNAVAILABLE,
+                f"rank {first.rank}: its store's port{f' {port[1]}' if port else ''} was taken by another process "
+                "before it could bind it; a retry picks another port",
+                first.message,
+            )
         return Failure(FailureCause.EXCEPTION, f"rank {first.rank}: {first.message}", "\n".join(first.traceback_tail))
     taken = next((line for line in evidence.agent_tail if _PORT_TAKEN.search(line)), None)
     if taken is not None:
