@@ -398,6 +398,17 @@ def _exception(rank: int, timestamp: int, message: str = "ValueError: boom") -> 
         pytest.param(
             Evidence(
                 exit_code=1,
+                exceptions=(_exception(0, 10, "OSError: [Errno 98] Address already in use"),),
+                rank_exits={0: 1},
+                root_rank=0,
+            ),
+            FailureCause.EXCEPTION,
+            "rank 0: OSError: [Errno 98] Address already in use",
+            id="a-program-s-own-server-port-taken-is-its-exception",
+        ),
+        pytest.param(
+            Evidence(
+                exit_code=1,
                 exceptions=(_exception(0, 10, "RuntimeError: [pair.cc:561] Connection closed by peer [::1]:1962"),),
                 rank_exits={0: 1},
                 root_rank=0,

@@ -52,6 +52,8 @@ _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|Broken pipe")
 # The store hosting the rendezvous could not bind its port: another process took it after it was chosen.
 _PORT_TAKEN = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 _TAKEN_PORT = re.compile(r"port:? (\d+)")
+# torch's TCPStore in a rank (rank 0's store of each round) that could not bind: not a user's own server.
+_STORE_PORT_TAKEN = re.compile(r"DistNetworkError.*(EADDRINUSE|[Aa]ddress already in use)")
 _RENDEZVOUS_LOST = re.compile(r"(RendezvousClosedError|RendezvousTimeoutError|RendezvousConnectionError|node .* lost)")
 
 
@@ -148,7 +150,7 @@ def classify(evidence: Evidence) -> Failure:
         # it was is the cause.
         raised = own or evidence.exceptions
         first = next((e for e in raised if e.rank == root_rank), raised[0])
-        if _PORT_TAKEN.search(first.message):  # rank 0's store, on a port the agent chose a moment before
+        if _STORE_PORT_TAKEN.search(first.message):  # rank 0's store, on a port the agent chose a moment before
             port = _TAKEN_PORT.search(first.message)
             return Failure(
                 FailureCause.UNAVAILABLE,
