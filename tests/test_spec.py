@@ -50,6 +50,11 @@ BAD_SPECS = [
     ("trainer.model", "resnt18", "trainer.model: 'resnt18' is unknown (did you mean resnet18?); use a torchvision"),
     ("trainer.precision", "fp8", "trainer.precision = 'fp8': Input should be 'auto', 'fp32', 'bf16' or 'fp16'"),
     ("trainer.optimizer.lr", -1, "trainer.optimizer.lr = -1: Input should be greater than 0"),
+    (
+        "trainer.data.loader_workers",
+        100_000,
+        "trainer.data.loader_workers = 100000: Input should be less than or equal to 128",
+    ),
     ("trainer.data.val", "synthetic", "trainer.data: val cannot be 'synthetic'"),
     ("trainer.data.num_classes", None, "trainer.data: synthetic data needs num_classes"),
     ("distribution.process_count_per_instance", 0, "distribution.process_count_per_instance = 0: Input should be"),

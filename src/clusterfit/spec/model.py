@@ -80,6 +80,7 @@ class DataSpec(_Strict):
     loader_workers: int | None = Field(
         None,
         ge=0,
+        le=128,  # a job of the job service sets it: processes per rank, bounded as stage_workers is
         description=f"DataLoader processes per rank; null = the rank's share of the CPUs, at most "
         f"{AUTO_LOADER_WORKERS_MAX}",
     )
