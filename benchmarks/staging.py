@@ -9,19 +9,23 @@ timed. Then, in rotating order for `--rounds` rounds:
   and once more at `--workers` in flight without the SDK's environment lookups (aiohttp reads the proxy
   variables and .netrc for every request unless told not to); and once with plain GETs through aiohttp alone,
   authorized by a SAS, without the SDK's request pipeline (what staging sends where the credential allows);
+- the store's ceiling with its listing: the names listed (List Blobs by plain GETs), then those plain GETs, one
+  after the other: what any copy asks of the store, which a copy that lists while it fetches may overlap;
 - the same GETs written to plain files, with nothing else (what the node's disk adds), without those lookups;
 - `clusterfit.data.staging.stage` of the small files and of the large file: the copy a job's workers make with
   `mode: download` (`--workers` transfers at a time, sha256 of every file, journal, manifest); and of the small
   files once more with a proxy variable set (`NO_PROXY`), where clusterfit keeps the SDK's lookups.
 
 The benchmark's process freezes the objects of its imports, as the processes that stage in clusterfit do.
-Prints the median and range of each, and staging against the best ceiling, plain GETs into files and (with
+Prints the median and range of each, and staging against the best ceiling, the ceiling with the listing, plain
+GETs into files and (with
 `--previous FILE`, another version of `clusterfit/data/staging.py` measured in the same rotation, one that takes
 `whole_file_reader` as a context manager) the previous version: the ratio of medians, and the median and range
 of the ratio within each round.
 
 With `--listed N`, only the listing is measured instead, on N objects of one byte: fsspec's `find` through
-adlfs (what staging used) against `clusterfit.storage.filesystems.list_files`, in alternation.
+adlfs (what staging once used), and `clusterfit.storage.filesystems.list_files` through the SDK's names-only
+listing (where a proxy is set) and by plain GETs, in rotating order.
 
     python benchmarks/staging.py --files 1000 --file-kb 110 --workers 32 --rounds 3
     git show HEAD~5:src/clusterfit/data/staging.py > /tmp/old_staging.py
@@ -46,6 +50,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -111,6 +116,26 @@ async def plain_gets(endpoint: str, sas: str, names: list[str], concurrency: int
         await asyncio.gather(*(getter() for _ in range(concurrency)))
 
 
+async def listed_then_plain_gets(endpoint: str, sas: str, prefix: str, concurrency: int) -> None:
+    """What any copy asks of the store: the names under `prefix` (List Blobs by plain GETs, 5,000 a page), then
+    every object by one plain GET. Nothing overlaps: the store's time for both."""
+    import aiohttp
+
+    names: list[str] = []
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        marker = ""
+        while True:
+            query = f"restype=container&comp=list&prefix={prefix}" + (f"&marker={marker}" if marker else "")
+            async with http.get(f"{endpoint}/{CONTAINER}?{query}&{sas}") as response:
+                response.raise_for_status()
+                answer = ElementTree.fromstring(await response.read())
+            names += [blob.findtext("Name") or "" for blob in answer.iterfind("Blobs/Blob")]
+            marker = answer.findtext("NextMarker") or ""
+            if not marker:
+                break
+    await plain_gets(endpoint, sas, names, concurrency)
+
+
 async def upload_tiny(connection_string: str, names: list[str], concurrency: int = 32) -> None:
     async with ContainerClient.from_connection_string(connection_string, CONTAINER) as container:
         pending = iter(names)
@@ -123,18 +148,31 @@ async def upload_tiny(connection_string: str, names: list[str], concurrency: int
 
 
 def measure_listing(connection_string: str, count: int, rounds: int) -> None:
-    """Listing `count` objects: adlfs's find against list_files, alternating, `rounds` times each."""
+    """Listing `count` objects: adlfs's find, list_files through the SDK and by plain GETs, in rotating order,
+    `rounds` times each."""
     names = [f"listed/c{index % 100}/{index:07d}.jpg" for index in range(count)]
     asyncio.run(upload_tiny(connection_string, names))
     fs, root = open_filesystem(f"az://{CONTAINER}/listed", Credentials())
+
+    def through_the_sdk() -> object:
+        # A proxy variable keeps the SDK's requests (the client itself was made without the environment lookups,
+        # as it is where none is set): the SDK's names-only listing, sizes read again from its answers.
+        os.environ["NO_PROXY"] = "example.invalid"
+        try:
+            return list_files(fs, root)
+        finally:
+            del os.environ["NO_PROXY"]
+
     measures: dict[str, Callable[[], object]] = {
         "fsspec find (adlfs: the SDK's blob properties)": lambda: fs.find(root, detail=True),
-        "clusterfit list_files (names-only listing, sizes from its answers)": lambda: list_files(fs, root),
+        "clusterfit list_files through the SDK's names-only listing (where a proxy is set)": through_the_sdk,
+        "clusterfit list_files by plain GETs under a SAS, each page parsed once": lambda: list_files(fs, root),
     }
-    assert len(list_files(fs, root)) == count and len(fs.find(root)) == count
+    assert len(list_files(fs, root)) == count == len(through_the_sdk()) and len(fs.find(root)) == count
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in measures}
     for round_index in range(rounds):
-        order = list(measures)[round_index % 2 :] + list(measures)[: round_index % 2]
+        shift = round_index % len(measures)
+        order = list(measures)[shift:] + list(measures)[:shift]
         for name in order:
             results[name].append(timed(measures[name]))
     print(f"machine: {machine_description()}")
@@ -226,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 service.account_name,
                 CONTAINER,
                 account_key=service.credential.account_key,
-                permission=ContainerSasPermissions(read=True),
+                permission=ContainerSasPermissions(read=True, list=True),
                 expiry=datetime.now(timezone.utc) + timedelta(hours=2),
             )
             measures: dict[str, Callable[[], object]] = {
@@ -242,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"ceiling: plain GETs with a SAS (aiohttp, no SDK pipeline) into memory, {args.workers} in flight": (
                     lambda: asyncio.run(plain_gets(server.endpoint, sas, names, args.workers))
                 ),
+                f"ceiling with the listing: the store's listing, then plain GETs into memory, {args.workers} "
+                "in flight": lambda: asyncio.run(listed_then_plain_gets(server.endpoint, sas, "small/", args.workers)),
                 f"GETs into files, {args.workers} in flight": lambda: asyncio.run(gets_into_files()),
                 f"clusterfit staging, {args.workers} transfers": lambda: stage(
                     f"az://{CONTAINER}/small", cache / "staged", Credentials(), workers=args.workers
@@ -279,9 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         cpu = statistics.median(c for _, c in results[name]) * 1000 / args.files
         files_per_s = median / megabytes * (1 if "1 file" in name else args.files)
         print(f"| {name} | {median:.1f} | {min(speeds):.1f}–{max(speeds):.1f} | {files_per_s:.0f} | {cpu:.2f} |")
-    best = max((n for n in results if n.startswith("ceiling")), key=lambda n: statistics.median(mb_per_s(n)))
+    best = max((n for n in results if n.startswith("ceiling:")), key=lambda n: statistics.median(mb_per_s(n)))
     staging = f"clusterfit staging, {args.workers} transfers"
     against = {f"the best ceiling ({best})": best}
+    against["the store's listing and plain GETs"] = next(n for n in results if n.startswith("ceiling with"))
     against["plain GETs into files"] = f"GETs into files, {args.workers} in flight"
     if args.previous is not None:
         against["the previous version"] = f"previous staging ({args.previous.name}), {args.workers} transfers"

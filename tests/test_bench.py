@@ -51,6 +51,7 @@ def test_staging_benchmark_script_against_azurite() -> None:
         "ceiling: GETs into memory, 2 in flight",
         "ceiling: GETs into memory, 2 in flight, no environment lookups",
         "ceiling: plain GETs with a SAS (aiohttp, no SDK pipeline) into memory, 2 in flight",
+        "ceiling with the listing: the store's listing, then plain GETs into memory, 2 in flight",
         "GETs into files, 2 in flight",
         "clusterfit staging, 2 transfers",
         "clusterfit staging, 2 transfers, a proxy variable set",

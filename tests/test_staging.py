@@ -84,11 +84,17 @@ def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cli_command(*args), env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_azure_listing_reads_what_adlfs_finds_in_pages(azurite: Azurite) -> None:
-    """Names and sizes only, from Azure's names-only listing: the files adlfs's find gives, folder markers (of
-    Azure's tools, of adlfs) left out, a sibling folder with a longer name left out, a file's URL answered with
-    that file, and a listing of several pages. An empty blob whose name ends in "/" marks a folder too (as
-    object stores' consoles write them); adlfs's find alone takes it for an empty file."""
+@pytest.mark.parametrize("requests", ["plain GETs", "the SDK's, a proxy variable set"])
+def test_the_azure_listing_reads_what_adlfs_finds_in_pages(
+    azurite: Azurite, requests: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Names and sizes only, from Azure's listing: the files adlfs's find gives, folder markers (of Azure's tools,
+    of adlfs) left out, a sibling folder with a longer name left out, a file's URL answered with that file, and a
+    listing of several pages. An empty blob whose name ends in "/" marks a folder too (as object stores' consoles
+    write them); adlfs's find alone takes it for an empty file. The same through plain GETs under a SAS and
+    through the SDK's requests (where a proxy is set)."""
+    if requests != "plain GETs":
+        monkeypatch.setenv("NO_PROXY", "example.invalid")
     container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
     blobs = {"listed/a/1.jpg": b"1", "listed/a/2.jpg": b"22", "listed/b/3.jpg": b"", "listed/c.jpg": b"4444"}
     markers = {"listed/a": {"hdi_isfolder": "true"}, "listed/d": {"is_directory": "true"}, "listed/e/": {}}
@@ -341,6 +347,16 @@ def test_read_only_sas_token_reads_but_cannot_write(azurite: Azurite, tiny_image
     container = BlobServiceClient.from_connection_string(azurite.connection_string()).get_container_client(CONTAINER)
     assert not container.get_blob_client("outputs/model.safetensors").exists()
 
+    # A SAS that may read but not list: one line, without the signature, and nothing retried.
+    cannot_list = generate_container_sas(
+        ACCOUNT, CONTAINER, account_key=KEY, permission=ContainerSasPermissions(read=True),
+        expiry=datetime.now(timezone.utc) + timedelta(hours=1),
+    )  # fmt: skip
+    with pytest.raises(StagingError) as refused:
+        stage(url, tmp_path / "refused", Credentials(endpoint=azurite.endpoint, sas_token=cannot_list))
+    assert "access denied" in str(refused.value) and not refused.value.retryable
+    assert parse_qs(cannot_list)["sig"][0] not in str(refused.value)
+
 
 def test_small_files_come_by_plain_gets_under_a_read_only_sas_of_their_container(azurite: Azurite) -> None:
     """With the account's key, staging's GETs carry a SAS it made itself: it reads that container and nothing
@@ -357,7 +373,7 @@ def test_small_files_come_by_plain_gets_under_a_read_only_sas_of_their_container
     reader = plain_blob_reader(fs.service_client, 5, 5)
     assert reader is not None
     sas = reader.sas_for(CONTAINER)
-    assert parse_qs(sas)["sp"] == ["r"] and parse_qs(sas)["sr"] == ["c"]  # read, one container
+    assert parse_qs(sas)["sp"] == ["rl"] and parse_qs(sas)["sr"] == ["c"]  # read and list, one container
 
     async def reads() -> tuple[bytes, bytes, str]:
         async with reader.session() as read:
@@ -422,6 +438,22 @@ def test_a_store_that_refuses_connections_is_retried_then_one_line_without_the_s
         asyncio.run(read_one())
     assert "SECRET" not in str(failed.value) and f"failed {blob_gets.ATTEMPTS} times" in str(failed.value)
     assert diagnose(failed.value, Credentials()).unreachable  # retryable: running again resumes
+
+
+def test_a_listing_page_is_read_once_with_encoded_names_markers_and_the_next_page() -> None:
+    """Azure percent-encodes a name that XML cannot carry and flags it Encoded="true"."""
+    body = b"""<?xml version="1.0" encoding="utf-8"?><EnumerationResults ServiceEndpoint="http://x/" ContainerName="c">
+    <Blobs>
+      <Blob><Name>d/a.jpg</Name><Properties><Content-Length>12</Content-Length></Properties></Blob>
+      <Blob><Name Encoded="true">d/b%01.jpg</Name><Properties><Content-Length>3</Content-Length></Properties></Blob>
+      <Blob><Name>d/e</Name><Properties><Content-Length>0</Content-Length></Properties>
+        <Metadata><hdi_isfolder>true</hdi_isfolder></Metadata></Blob>
+    </Blobs><NextMarker>2!48!MDAwMDA1</NextMarker></EnumerationResults>"""
+    page = blob_gets.listed_page(body)
+    assert page.sizes == {"d/a.jpg": 12, "d/b\x01.jpg": 3, "d/e": 0}
+    assert page.folders == {"d/e"} and page.next_marker == "2!48!MDAwMDA1"
+    last = body.replace(b"<NextMarker>2!48!MDAwMDA1</NextMarker>", b"<NextMarker/>")
+    assert blob_gets.listed_page(last).next_marker == ""
 
 
 def test_a_request_id_or_time_with_403_in_it_is_not_access_denied() -> None:

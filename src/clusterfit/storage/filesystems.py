@@ -9,7 +9,7 @@ import os
 import re
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, MutableMapping
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from clusterfit.errors import DataError
 from clusterfit.outputs import STORAGE_SAS_TOKEN_ENV
 from clusterfit.spec.model import JobSpec, StorageSpec
-from clusterfit.storage.blob_gets import plain_blob_reader
+from clusterfit.storage.blob_gets import BlobReader, ListedPage, listed_page, plain_blob_reader
 from clusterfit.storage.redact import redact
 
 
@@ -243,7 +243,7 @@ async def list_file_pages(
     on Azure its listing's pages (the first of `first_page_size` names, so that a copy can start after one short
     request), elsewhere fsspec's whole find as one page."""
     if _AZURE_PROTOCOLS.intersection(_protocols(fs)):
-        async for page in _azure_pages(fs.service_client, root, first_page_size or page_size, page_size):
+        async for page in _azure_pages(fs, root, first_page_size or page_size, page_size):
             yield page
         return
     found = await fs._find(root, detail=True)
@@ -266,9 +266,7 @@ async def whole_file_reader(fs: Any) -> AsyncIterator[Callable[[str, int | None]
     if not _AZURE_PROTOCOLS.intersection(_protocols(fs)):
         yield lambda path, end: fs._cat_file(path, start=0 if end else None, end=end)
         return
-    plain = None
-    if not _proxy_settings(os.environ):
-        plain = plain_blob_reader(fs.service_client, AZURE_CONNECT_TIMEOUT_S, AZURE_READ_TIMEOUT_S)
+    plain = _plain_blob_reader(fs)
     if plain is not None:
         async with plain.session() as read:
             yield read
@@ -290,61 +288,66 @@ def _protocols(fs: Any) -> set[str]:
 
 
 async def _azure_pages(
-    service: Any, root: str, first_page_size: int | None, page_size: int | None
+    fs: Any, root: str, first_page_size: int | None, page_size: int | None
 ) -> AsyncIterator[dict[str, int]]:
     """Azure's listing, page by page, with only the names, sizes and folder markers read from it. azure-storage-blob
     turns each listed blob into a full properties object, which adlfs's find asks for: 0.23 ms of CPU per blob
-    against 0.08 here (20,000 blobs, benchmarks/RESULTS.md), 4.8 minutes for ImageNet's 1.28M files before the
-    first one is fetched, on every node that stages them. The SDK's names-only listing skips those objects; the
-    sizes and markers are read from the same answers (the List Blobs XML) through azure-core's public
-    per-request hook, as the SDK reads the names. Folders are told apart as adlfs tells them."""
-    from xml.etree import ElementTree
-
+    against 0.08 with the SDK's names-only listing (20,000 blobs, benchmarks/RESULTS.md), and less again by plain
+    GETs, 4.8 minutes for ImageNet's 1.28M files before the first one is fetched, on every node that stages them.
+    Folders are told apart as adlfs tells them."""
     container, _, prefix = root.strip("/").partition("/")
-    sizes: dict[str, int] = {}
-    folders: set[str] = set()
+    plain = _plain_blob_reader(fs)
+    answers = (
+        plain.pages(container, prefix, first_page_size, page_size)
+        if plain is not None
+        else _sdk_pages(fs.service_client, container, prefix, first_page_size, page_size)
+    )
+    async with aclosing(answers) as pages:
+        named_any = False
+        async for page in pages:
+            names = [name for name in page.sizes if not prefix or name == prefix or name.startswith(f"{prefix}/")]
+            if not named_any and prefix in names and prefix not in page.folders:
+                # a file's URL: that file, as fsspec's find answers it (its name sorts before any name under it)
+                yield {f"{container}/{prefix}": page.sizes[prefix]}
+                return
+            named_any = named_any or bool(names)
+            yield {f"{container}/{name}": page.sizes[name] for name in names if name not in page.folders}
 
-    def read_page(response: Any) -> None:
-        if response.http_response.status_code != 200:  # an answer that is retried
-            return
-        for blob in ElementTree.fromstring(response.http_response.body()).iterfind("Blobs/Blob"):
-            name = blob.findtext("Name") or ""
-            sizes[name] = int(blob.findtext("Properties/Content-Length") or 0)
-            if _is_folder(name, blob):
-                folders.add(name)
+
+async def _sdk_pages(
+    service: Any, container: str, prefix: str, first_page_size: int | None, page_size: int | None
+) -> AsyncIterator[ListedPage]:
+    """`BlobReader.pages` through the SDK, for requests it must sign itself: its names-only listing, whose answers
+    (the List Blobs XML) are read through azure-core's public per-request hook."""
+    answers: list[bytes] = []
+
+    def keep(response: Any) -> None:
+        if response.http_response.status_code == 200:  # not an answer that is retried
+            answers.append(response.http_response.body())
 
     async with service.get_container_client(container) as client:
-        token, size, named_any = None, first_page_size, False
+        token, size = None, first_page_size
         while True:
-            sizes.clear()
-            folders.clear()
+            answers.clear()
             # NOTE: `include` goes on to the List Blobs request, as every keyword the names-only listing does not
             # take itself: the metadata that marks a folder (hdi_isfolder) is then in the answer.
             pages = client.list_blob_names(
-                name_starts_with=prefix, results_per_page=size, include=["metadata"], raw_response_hook=read_page
+                name_starts_with=prefix, results_per_page=size, include=["metadata"], raw_response_hook=keep
             ).by_page(continuation_token=token)
-            names = [name async for name in await anext(pages)]
+            async for _ in await anext(pages):
+                pass
+            yield listed_page(answers[-1])
             token, size = pages.continuation_token, page_size
-            names = [name for name in names if not prefix or name == prefix or name.startswith(f"{prefix}/")]
-            if not named_any and prefix in names and prefix not in folders:
-                # a file's URL: that file, as fsspec's find answers it (its name sorts before any name under it)
-                yield {f"{container}/{prefix}": sizes[prefix]}
-                return
-            named_any = named_any or bool(names)
-            yield {f"{container}/{name}": sizes[name] for name in names if name not in folders}
             if not token:
                 return
 
 
-def _is_folder(name: str, blob: Any) -> bool:
-    """A listed blob that stands for a folder: a hierarchical namespace's folder, a name ending in "/", or an
-    empty blob whose metadata marks it (hdi_isfolder, written by Azure's own tools; adlfs's is_directory)."""
-    if name.endswith("/") or blob.findtext("Properties/ResourceType") == "directory":
-        return True
-    marks = {element.tag.lower(): element.text for element in blob.iterfind("Metadata/*")}
-    return marks.get("is_directory") == "true" or (
-        marks.get("is_directory") != "false" and marks.get("hdi_isfolder") == "true"
-    )
+def _plain_blob_reader(fs: Any) -> BlobReader | None:
+    """Plain GETs for an Azure filesystem's blobs, unless a proxy is set (the SDK honours it) or the credential
+    signs each request."""
+    if _proxy_settings(os.environ):
+        return None
+    return plain_blob_reader(fs.service_client, AZURE_CONNECT_TIMEOUT_S, AZURE_READ_TIMEOUT_S)
 
 
 # An HTTP 403 named in a message; not the digits of a request id or a time, which Azure's messages carry (a
