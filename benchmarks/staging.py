@@ -169,7 +169,7 @@ def measure_listing(connection_string: str, count: int, rounds: int) -> None:
         "clusterfit list_files by plain GETs under a SAS, each page parsed once": lambda: list_files(fs, root),
     }
     assert len(list_files(fs, root)) == count == len(through_the_sdk()) and len(fs.find(root)) == count
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in measures}
+    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in measures}
     for round_index in range(rounds):
         shift = round_index % len(measures)
         order = list(measures)[shift:] + list(measures)[:shift]
@@ -180,8 +180,8 @@ def measure_listing(connection_string: str, count: int, rounds: int) -> None:
     print("| listing | wall s median | range | client CPU s per 1000 objects |")
     print("|---|---:|---:|---:|")
     for name, timings in results.items():
-        walls = [wall for wall, _ in timings]
-        cpu = statistics.median(c for _, c in timings) * 1000 / count
+        walls = [wall for wall, _, _ in timings]
+        cpu = statistics.median(c for _, c, _ in timings) * 1000 / count
         print(f"| {name} | {statistics.median(walls):.2f} | {min(walls):.2f}–{max(walls):.2f} | {cpu:.3f} |")
 
 
@@ -195,14 +195,24 @@ def load_module(path: Path) -> Any:
     return module
 
 
-def timed(run: Callable[[], object]) -> tuple[float, float]:
-    """(wall seconds, this process's CPU seconds) of one call."""
+def timed(run: Callable[[], object], store_pid: int | None = None) -> tuple[float, float, float]:
+    """(wall seconds, this process's CPU seconds, the store's CPU seconds) of one call."""
     before = resource.getrusage(resource.RUSAGE_SELF)
+    store_before = process_cpu_s(store_pid)
     started = time.perf_counter()
     run()
+    wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_SELF)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
-    return time.perf_counter() - started, cpu
+    return wall, cpu, process_cpu_s(store_pid) - store_before
+
+
+def process_cpu_s(pid: int | None) -> float:
+    """User and system CPU seconds of process `pid` (all its threads) so far, from /proc; 0 without one."""
+    if pid is None:
+        return 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrencies = [int(c) for c in args.ceiling_concurrency.split(",")]
     names = [f"small/c{index % 10}/{index:06d}.jpg" for index in range(args.files)]
     megabytes = args.files * args.file_kb / 1000
-    results: dict[str, list[tuple[float, float]]] = {}
+    results: dict[str, list[tuple[float, float, float]]] = {}
     with tempfile.TemporaryDirectory(prefix="clusterfit-staging-bench-") as tmp:
         cache = Path(args.cache_dir or tmp) / "bench-cache"
         server = Azurite(Path(tmp) / "azurite")
@@ -301,24 +311,33 @@ def main(argv: list[str] | None = None) -> int:
                 shift = round_index % len(order)
                 for name in order[shift:] + order[:shift]:
                     emptied(cache / "plain", cache / "staged", cache / "large")  # not timed
-                    results.setdefault(name, []).append(timed(measures[name]))
+                    results.setdefault(name, []).append(timed(measures[name], server.process.pid))
         finally:
             server.stop()
             shutil.rmtree(cache, ignore_errors=True)
 
     def mb_per_s(name: str) -> list[float]:
-        return [megabytes / wall for wall, _ in results[name]]
+        return [megabytes / wall for wall, _, _ in results[name]]
 
     print(f"machine: {machine_description()}")
     print(f"Azurite on 127.0.0.1 (sharing the cores), {args.files} files of {args.file_kb} KB, {args.rounds} rounds\n")
-    print("| measurement | MB/s median | range | files/s | client CPU s per 1000 files |")
-    print("|---|---:|---:|---:|---:|")
+    cores = os.cpu_count() or 1
+    print(
+        "| measurement | MB/s median | range | files/s | client CPU s per 1000 files | store CPU s per 1000 files "
+        f"| both, share of the {cores} cores |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name in results:
         speeds = mb_per_s(name)
         median = statistics.median(speeds)
-        cpu = statistics.median(c for _, c in results[name]) * 1000 / args.files
+        cpu = statistics.median(c for _, c, _ in results[name]) * 1000 / args.files
+        store = statistics.median(s for _, _, s in results[name]) * 1000 / args.files
+        busy = statistics.median((c + s) / wall / cores for wall, c, s in results[name])
         files_per_s = median / megabytes * (1 if "1 file" in name else args.files)
-        print(f"| {name} | {median:.1f} | {min(speeds):.1f}–{max(speeds):.1f} | {files_per_s:.0f} | {cpu:.2f} |")
+        print(
+            f"| {name} | {median:.1f} | {min(speeds):.1f}–{max(speeds):.1f} | {files_per_s:.0f} | {cpu:.2f} "
+            f"| {store:.2f} | {busy:.0%} |"
+        )
     best = max((n for n in results if n.startswith("ceiling:")), key=lambda n: statistics.median(mb_per_s(n)))
     staging = f"clusterfit staging, {args.workers} transfers"
     against = {f"the best ceiling ({best})": best}
