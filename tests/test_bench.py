@@ -58,6 +58,18 @@ def test_staging_benchmark_script_against_azurite() -> None:
         "clusterfit staging, 1 file of 0 MB",
     ]
     assert "small-file staging: " in result.stdout
+    listed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "staging.py"), "--listed", "3", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert listed.returncode == 0, listed.stderr  # each way of listing found the 3 objects
+    assert [line.split(" | ")[0].lstrip("| ") for line in listed.stdout.splitlines() if line.startswith("| ")][1:] == [
+        "fsspec find (adlfs: the SDK's blob properties)",
+        "clusterfit list_files through the SDK's names-only listing (where a proxy is set)",
+        "clusterfit list_files by plain GETs under a SAS, each page parsed once",
+    ]
 
 
 def test_the_baselines_ship_inside_the_package_and_run_from_anywhere(tmp_path, monkeypatch) -> None:
