@@ -309,6 +309,15 @@ def _changed_while_copied(url: str, remote: str, got: int, listed: int) -> NoRet
     raise StagingError(f"{url}: {remote} has {got} bytes, the listing said {listed}; run again", retryable=True)
 
 
+# A file's write (and hash) that takes longer than this, on a network file system or a busy disk, would hold up
+# every transfer on the event loop's thread: from then on the writes go to threads. Below it, handing each file
+# to a thread and back cost more than the write: 0.13 s of CPU per 1,000 files of 110 KB (benchmarks/RESULTS.md).
+_SLOW_WRITE_S = 0.002
+# A slow disk is slow at every write; one slow write is the loop's thread preempted on busy cores (on tmpfs, one
+# in two rounds of the benchmark handed its writes to threads after a single one).
+_SLOW_WRITES_IN_A_ROW = 3
+
+
 def _fetch_concurrently(
     fs: Any,
     pages: AsyncIterator[dict[str, int]],
@@ -320,12 +329,11 @@ def _fetch_concurrently(
 ) -> None:
     """The listing's `pages`, each given to `take` as the store answers; the small files `take` returns are
     fetched while later pages are listed, each in one GET, `concurrency` of them in flight on the filesystem's
-    event loop, and given to `keep` (hashing and writing) on writer threads as they arrive, each fetcher waiting
-    for its file's write: the loop's thread only moves bytes, while the sha256 and the write (both release the
-    GIL) run beside it, and a slow disk holds up one transfer, not all. A thread per transfer through fsspec's
-    blocking wrapper (and a HEAD request per file to open it) capped small files at a third of what the store
-    serves. Returns, or raises the first error, only once no `keep` runs any more: the caller's journal and lock
-    outlive every write into the cache."""
+    event loop, and given to `keep` (hashing and writing) as they arrive: on the loop's thread while writes are
+    fast, on threads once they are slow (`_SLOW_WRITE_S`, several in a row). A thread per transfer through
+    fsspec's blocking wrapper (and a HEAD request per file to open it) capped small files at a third of what the
+    store serves. Returns, or raises the first error, only once no `keep` runs any more: the caller's journal and
+    lock outlive every write into the cache."""
     from fsspec.asyn import sync
 
     fetchers = max(1, concurrency)
@@ -334,6 +342,7 @@ def _fetch_concurrently(
         # Bounded: the listing runs at most a few pages ahead of the fetchers, not a whole bucket's names ahead.
         listed: asyncio.Queue[tuple[str, str, int] | None] = asyncio.Queue(maxsize=_LISTED_AHEAD)
         loop = asyncio.get_running_loop()
+        slow_writes = 0  # in a row, on the loop's thread
 
         async def lister() -> None:
             async for page in pages:
@@ -343,6 +352,7 @@ def _fetch_concurrently(
                 await listed.put(None)  # the listing ended: each fetcher stops once the files before are taken
 
         async def fetcher() -> None:
+            nonlocal slow_writes
             while (item := await listed.get()) is not None:  # each file is taken by one fetcher
                 path, rel, size = item
                 try:
@@ -351,7 +361,12 @@ def _fetch_concurrently(
                     body = await read(path, size + 1 if size else None)
                 except Exception as exc:  # noqa: BLE001 - connection errors of every backend
                     raise _copy_stopped(url, rel, exc, creds) from None
-                await loop.run_in_executor(writers, keep, rel, body)
+                if slow_writes >= _SLOW_WRITES_IN_A_ROW:
+                    await loop.run_in_executor(writers, keep, rel, body)
+                    continue
+                started = time.perf_counter()
+                keep(rel, body)
+                slow_writes = slow_writes + 1 if time.perf_counter() - started > _SLOW_WRITE_S else 0
 
         tasks = [asyncio.ensure_future(lister())] + [asyncio.ensure_future(fetcher()) for _ in range(fetchers)]
         try:

@@ -146,7 +146,7 @@ class BlobReader:
                     failure = BlobReadError(f"HTTP {response.status}: {response.reason} {code}".strip())
                     if response.status not in _RETRIED_STATUSES:
                         raise failure
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (aiohttp.ClientError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
                 text = str(exc).replace(sas, "<SAS>") if sas else str(exc)
                 failure = BlobReadError(f"{type(exc).__name__}: {text}; the connection failed {attempt} times")
             if attempt < ATTEMPTS:
