@@ -18,7 +18,13 @@ from urllib.parse import parse_qs
 
 import pytest
 import torch
-from azure.storage.blob import BlobClient, BlobServiceClient, ContainerSasPermissions, generate_container_sas
+from azure.storage.blob import (
+    BlobClient,
+    BlobServiceClient,
+    ContainerClient,
+    ContainerSasPermissions,
+    generate_container_sas,
+)
 from azurite import ACCOUNT, KEY, Azurite, free_port, silent_store
 from conftest import cli_command, one_image_per_class, tiny_job, write_job
 from fsspec.asyn import sync
@@ -386,9 +392,11 @@ def test_read_only_sas_token_reads_but_cannot_write(azurite: Azurite, tiny_image
     assert parse_qs(cannot_list)["sig"][0] not in str(refused.value)
 
 
-def test_small_files_come_by_plain_gets_under_a_read_only_sas_of_their_container(azurite: Azurite) -> None:
-    """With the account's key, staging's GETs carry a SAS it made itself: it reads that container and nothing
-    else, writes nothing, and never shows up in an error."""
+def test_small_files_come_by_plain_gets_under_a_sas_that_reads_and_lists_their_container_only(
+    azurite: Azurite,
+) -> None:
+    """With the account's key, staging's GETs carry a SAS it made itself: it reads and lists that container and
+    nothing else, writes nothing, and never shows up in an error."""
     service = BlobServiceClient.from_connection_string(azurite.connection_string())
     body = os.urandom(3000)
     service.get_container_client(CONTAINER).upload_blob("plain/a.bin", body, overwrite=True)
@@ -418,6 +426,9 @@ def test_small_files_come_by_plain_gets_under_a_read_only_sas_of_their_container
         BlobClient.from_blob_url(f"{azurite.endpoint}/{CONTAINER}/plain/written.bin?{sas}").upload_blob(b"x")
     with pytest.raises(Exception, match="AuthenticationFailed|AuthorizationFailure|403"):
         BlobClient.from_blob_url(f"{azurite.endpoint}/other-container/secret.bin?{sas}").download_blob().readall()
+    with pytest.raises(Exception, match="AuthenticationFailed|AuthorizationFailure|403"):
+        list(ContainerClient.from_container_url(f"{azurite.endpoint}/other-container?{sas}").list_blob_names())
+    assert list(ContainerClient.from_container_url(f"{azurite.endpoint}/{CONTAINER}?{sas}").list_blob_names())
 
 
 def test_plain_gets_need_a_key_or_a_sas_and_no_proxy(azurite: Azurite, monkeypatch: pytest.MonkeyPatch) -> None:
