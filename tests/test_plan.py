@@ -115,6 +115,15 @@ def test_the_planner_feeds_the_devices_with_the_job_s_loader_workers_and_says_wh
         host_cores=10,
     )
     assert "trainer.data.loader_workers: 3, a worker for each of the host's 10 cores: 2,960 images/s" in markdown(few)
+    # One device on 512 cores: the most workers the spec accepts, not a count it would refuse.
+    big_host = plan_job(
+        load_spec(job, [real_images, "trainer.data.loader_workers=8"]),
+        **{**options, "devices_per_node": 1},
+        images_per_s=2470,
+        host_cores=512,
+    )
+    assert "trainer.data.loader_workers: 128, a worker for as many of the host's 512 cores" in markdown(big_host)
+    load_spec(job, [real_images, "trainer.data.loader_workers=128"])  # the advice is a valid spec
 
 
 def test_the_profile_counts_resnet50_as_published() -> None:

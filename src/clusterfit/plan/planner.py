@@ -28,6 +28,7 @@ from clusterfit.plan.hardware import (
 )
 from clusterfit.plan.profile import ModelProfile
 from clusterfit.spec.errors import SpecError
+from clusterfit.spec.model import LOADER_WORKERS_MAX
 
 if TYPE_CHECKING:
     from clusterfit.spec import JobSpec
@@ -218,10 +219,12 @@ def advice(work: Workload, hardware: Hardware, last: tuple[int, StepSplit]) -> l
             f"node's loader workers prepare {host.images_per_s(on_node):,.0f} images/s where its devices would take "
             f"{consumed:,.0f}",
         ]
-        if host.workers_per_device is not None and host.workers_per_device * per_node < host.cores:
-            one_per_core = -(-host.cores // per_node)  # rounded up: every core gets a worker
+        # rounded up, so that every core gets a worker, and never past what the spec accepts
+        one_per_core = min(-(-host.cores // per_node), LOADER_WORKERS_MAX)
+        if host.workers_per_device is not None and host.workers_per_device < one_per_core:
+            cores = "each of the host's" if one_per_core * per_node >= host.cores else "as many of the host's"
             lines.append(
-                f"trainer.data.loader_workers: {one_per_core}, a worker for each of the host's {host.cores} cores: "
+                f"trainer.data.loader_workers: {one_per_core}, a worker for {cores} {host.cores} cores: "
                 + efficiency(replace(work, host=replace(host, workers_per_device=one_per_core)))
             )
         packed = replace(host, images_per_core=host.images_per_core * PACKED_IMAGES_PER_CORE / FOLDER_IMAGES_PER_CORE)

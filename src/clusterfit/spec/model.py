@@ -32,6 +32,8 @@ SYNTHETIC = "synthetic"
 # many, the default of torchvision's reference scripts (-j 16) and the per-GPU count of NVIDIA's ResNet-50 recipe
 # on a DGX A100 (16 of its 256 CPUs per GPU). At 8 a DGX A100's ranks left half its cores idle.
 AUTO_LOADER_WORKERS_MAX = 16
+# A job of the job service sets trainer.data.loader_workers: processes per rank, bounded as stage_workers is.
+LOADER_WORKERS_MAX = 128
 
 
 def is_url(path: str) -> bool:
@@ -80,7 +82,7 @@ class DataSpec(_Strict):
     loader_workers: int | None = Field(
         None,
         ge=0,
-        le=128,  # a job of the job service sets it: processes per rank, bounded as stage_workers is
+        le=LOADER_WORKERS_MAX,
         description=f"DataLoader processes per rank; null = the rank's share of the CPUs, at most "
         f"{AUTO_LOADER_WORKERS_MAX}",
     )
