@@ -183,10 +183,11 @@ def _stage_locked(
 
     with open(target / JOURNAL, "a") as journal_file:
 
-        def keep(rel: str, body: bytes) -> None:
+        def keep(rel: str, body: bytes, digest: str | None) -> None:
             if len(body) != listing[rel]:
                 _changed_while_copied(url, f"{folder}/{rel}", len(body), listing[rel])
-            finished(rel, _write_part(f"{into}/{rel}", body), len(body), journal_file)
+            _write_part(f"{into}/{rel}", body)
+            finished(rel, digest or _sha256(body), len(body), journal_file)
 
         if whole_files:
             _fetch_concurrently(fs, _pages(fs, root, url, creds), take, workers, url, creds, keep)
@@ -325,12 +326,13 @@ def _fetch_concurrently(
     concurrency: int,
     url: str,
     creds: Credentials,
-    keep: Callable[[str, bytes], None],
+    keep: Callable[[str, bytes, str | None], None],
 ) -> None:
     """The listing's `pages`, each given to `take` as the store answers; the small files `take` returns are
     fetched while later pages are listed, each in one GET, `concurrency` of them in flight on the filesystem's
-    event loop, and given to `keep` (hashing and writing) as they arrive: on the loop's thread while writes are
-    fast, on threads once they are slow (`_SLOW_WRITE_S`, several in a row). A thread per transfer through
+    event loop, and given to `keep` (writing, with the file's sha256) as they arrive: hashed on a thread, written on
+    the loop's thread while writes are fast, both on threads once writes are slow (`_SLOW_WRITE_S`, several in a
+    row). A thread per transfer through
     fsspec's blocking wrapper (and a HEAD request per file to open it) capped small files at a third of what the
     store serves. Returns, or raises the first error, only once no `keep` runs any more: the caller's journal and
     lock outlive every write into the cache."""
@@ -361,11 +363,16 @@ def _fetch_concurrently(
                     body = await read(path, size + 1 if size else None)
                 except Exception as exc:  # noqa: BLE001 - connection errors of every backend
                     raise _copy_stopped(url, rel, exc, creds) from None
-                if slow_writes >= _SLOW_WRITES_IN_A_ROW:
-                    await loop.run_in_executor(writers, keep, rel, body)
+                # hashlib lets go of the GIL: the loop serves other answers meanwhile (1.2x on tmpfs, RESULTS.md);
+                # creating files stays on the loop's thread, where threads side by side cost a slow disk more.
+                digest = None
+                if slow_writes < _SLOW_WRITES_IN_A_ROW:
+                    digest = await loop.run_in_executor(writers, _sha256, body)
+                if slow_writes >= _SLOW_WRITES_IN_A_ROW:  # (again: writes may have turned slow meanwhile)
+                    await loop.run_in_executor(writers, keep, rel, body, digest)
                     continue
                 started = time.perf_counter()
-                keep(rel, body)
+                keep(rel, body, digest)
                 slow_writes = slow_writes + 1 if time.perf_counter() - started > _SLOW_WRITE_S else 0
 
         tasks = [asyncio.ensure_future(lister())] + [asyncio.ensure_future(fetcher()) for _ in range(fetchers)]
@@ -384,8 +391,12 @@ def _fetch_concurrently(
         sync(fs.loop, fetch_all, writers)
 
 
-def _write_part(local: str, body: bytes) -> str:
-    """`body` as local's .part file; its sha256. Written by the descriptor: a buffered file object for each file
+def _sha256(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def _write_part(local: str, body: bytes) -> None:
+    """`body` as local's .part file. Written by the descriptor: a buffered file object for each file
     cost 1-2 % of the event loop thread's CPU (benchmarks/RESULTS.md)."""
     part = os.open(_part(local), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
@@ -394,7 +405,6 @@ def _write_part(local: str, body: bytes) -> str:
             unwritten = unwritten[os.write(part, unwritten) :]
     finally:
         os.close(part)
-    return hashlib.sha256(body).hexdigest()
 
 
 def _verify_all(data: Path, files: dict[str, dict[str, Any]], workers: int) -> set[str]:
