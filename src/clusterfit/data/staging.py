@@ -330,12 +330,11 @@ def _fetch_concurrently(
 ) -> None:
     """The listing's `pages`, each given to `take` as the store answers; the small files `take` returns are
     fetched while later pages are listed, each in one GET, `concurrency` of them in flight on the filesystem's
-    event loop, and given to `keep` (writing, with the file's sha256) as they arrive: hashed on a thread, written on
-    the loop's thread while writes are fast, both on threads once writes are slow (`_SLOW_WRITE_S`, several in a
-    row). A thread per transfer through
-    fsspec's blocking wrapper (and a HEAD request per file to open it) capped small files at a third of what the
-    store serves. Returns, or raises the first error, only once no `keep` runs any more: the caller's journal and
-    lock outlive every write into the cache."""
+    event loop, and given to `keep` (writing, with the file's sha256) as they arrive: each hashed on a thread and
+    written on the loop's thread while writes are fast, both on threads once writes are slow (`_SLOW_WRITE_S`,
+    several in a row). A thread per transfer through fsspec's blocking wrapper (and a HEAD request per file to
+    open it) capped small files at a third of what the store serves. Returns, or raises the first error, only
+    once no `keep` runs any more: the caller's journal and lock outlive every write into the cache."""
     from fsspec.asyn import sync
 
     fetchers = max(1, concurrency)
@@ -363,8 +362,8 @@ def _fetch_concurrently(
                     body = await read(path, size + 1 if size else None)
                 except Exception as exc:  # noqa: BLE001 - connection errors of every backend
                     raise _copy_stopped(url, rel, exc, creds) from None
-                # hashlib lets go of the GIL: the loop serves other answers meanwhile (1.2x on tmpfs, RESULTS.md);
-                # creating files stays on the loop's thread, where threads side by side cost a slow disk more.
+                # hashlib lets go of the GIL, so the loop serves other answers meanwhile (1.17x on tmpfs); the files
+                # are still created here: writes on threads side by side lost on an ext4 disk (RESULTS.md).
                 digest = None
                 if slow_writes < _SLOW_WRITES_IN_A_ROW:
                     digest = await loop.run_in_executor(writers, _sha256, body)
