@@ -430,7 +430,9 @@ def test_a_rank_s_error_file_is_whole_and_torchrun_reads_it(tmp_path: Path, monk
     assert [p.name for p in tmp_path.iterdir()] == ["rank-1.error.json"]
 
 
-def test_injected_faults_fire_once_and_a_straggler_from_its_step_on(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_injected_faults_fire_once_and_a_straggler_from_its_step_on(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from clusterfit.worker.faults import Fault, InjectedFault
 
     assert Fault.parse("slow:rank=0:step=3:seconds=0.05") == Fault("slow", 0, 3, None, 0.05)
@@ -446,6 +448,13 @@ def test_injected_faults_fire_once_and_a_straggler_from_its_step_on(monkeypatch:
     for rank, step in [(0, 1), (0, 2), (1, 3), (0, 3), (0, 4), (0, 90)]:
         straggler.trigger(rank, step)
     assert slept == [0.05, 0.05, 0.05]
+    released = tmp_path / "go"
+    held = Fault.parse(f"slow:rank=0:step=1:seconds=0.25:until={released}")
+    assert held == Fault("slow", 0, 1, None, 0.25, str(released))
+    held.trigger(0, 1)
+    released.touch()  # a straggler until the file exists, at full speed after
+    held.trigger(0, 2)
+    assert slept == [0.05, 0.05, 0.05, 0.25]
     with pytest.raises(ValueError, match="KIND one of"):
         Fault.parse("crawl:rank=0:step=1")
 

@@ -4,9 +4,10 @@
 `environment_variables`) makes rank R, after training step S (of attempt A only, when given), do KIND:
 `raise` an exception, `hang` forever (sleeping, as a deadlocked rank would), `exit` with code 3, `kill` itself with
 SIGKILL (as another process would), or `oom`: take memory until the kernel's OOM killer stops the process (run
-it under a memory limit, e.g. a container's). `slow:rank=R:step=S:seconds=T` makes rank R a straggler instead: it
-sleeps T seconds (0.1 by default) after step S and every step after, which paces the whole job, since the other
-ranks wait for it in each all-reduce."""
+it under a memory limit, e.g. a container's). `slow:rank=R:step=S:seconds=T[:until=PATH]` makes rank R a straggler
+instead: it sleeps T seconds (0.1 by default) after step S and every step after, which paces the whole job, since
+the other ranks wait for it in each all-reduce; with `until`, only until a file exists at PATH (no colons), so a
+test keeps a job running until it has seen what it waits for, and lets it finish at full speed."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ class Fault:
     step: int
     attempt: int | None = None
     seconds: float = 0.1  # a straggler's delay per step
+    until: str | None = None  # a straggler no more once this file exists
 
     @classmethod
     def parse(cls, text: str) -> Fault:
@@ -46,6 +48,7 @@ class Fault:
             int(values["step"]),
             int(attempt) if attempt else None,
             float(seconds) if seconds else cls.seconds,
+            values.get("until"),
         )
 
     def trigger(self, rank: int, step: int) -> None:
@@ -54,7 +57,8 @@ class Fault:
         if self.attempt is not None and int(os.environ.get(ATTEMPT_ENV, "1")) != self.attempt:
             return
         if self.kind == "slow":
-            time.sleep(self.seconds)
+            if not (self.until and os.path.exists(self.until)):
+                time.sleep(self.seconds)
             return
         if self.kind == "raise":
             raise InjectedFault(f"injected failure on rank {rank} after step {step}")
