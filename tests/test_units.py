@@ -220,6 +220,26 @@ def test_log_follower_labels_lines_and_follows_rotation(tmp_path: Path) -> None:
     assert follower.drain() == ["[rank0] half a line", "[rank0] attempt 2", "[torchrun] restarting workers"]
 
 
+def test_log_follower_goes_on_when_a_log_is_rotated_away_between_its_listing_and_its_opening(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart renames rank-0.log before it makes the next one: a poll that listed the old name in between
+    finishes the old file once and waits for the new one (it stopped `clusterfit run` with FileNotFoundError)."""
+    from clusterfit.monitoring import logtail
+
+    (tmp_path / "rank-0.log").write_text("")
+    follower = logtail.LogFollower(tmp_path, 1, agent=False)
+    with open(tmp_path / "rank-0.log", "a") as f:
+        f.write("step 1\nlast wor")
+    rotate(tmp_path / "rank-0.log")
+    monkeypatch.setattr(logtail, "followed_logs", lambda *args, **kwargs: ["rank-0.log"])  # listed just before
+    assert follower.poll() == ["[rank0] step 1", "[rank0] last wor"]
+    assert follower.poll() == []
+    monkeypatch.undo()
+    (tmp_path / "rank-0.log").write_text("attempt 2\n")
+    assert follower.drain() == ["[rank0] attempt 2"]
+
+
 def test_heartbeat_file_ends_at_the_last_step_when_steps_come_faster_than_writes(tmp_path: Path) -> None:
     """A rank that hangs right after a few fast steps must be reported at its true last step, timed by it."""
     # A 3 s interval: the read below must come before the delayed write, even on a busy machine.

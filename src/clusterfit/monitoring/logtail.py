@@ -52,9 +52,13 @@ class LogFollower:
             if entry is not None and _inode(path) != entry.inode:  # rotated: finish the old file first
                 lines += [label + line for line in self._read(entry, final=True)]
                 entry.file.close()
+                del self._open[name]
                 entry = None
             if entry is None:
-                entry = self._open[name] = self._open_at(path, end=False)
+                try:
+                    entry = self._open[name] = self._open_at(path, end=False)
+                except FileNotFoundError:  # rotated away since it was listed, its successor not made yet
+                    continue
             lines += [label + line for line in self._read(entry, final=False)]
         return lines
 
