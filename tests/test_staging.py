@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -26,7 +27,7 @@ from azure.storage.blob import (
     generate_container_sas,
 )
 from azurite import ACCOUNT, KEY, Azurite, free_port, silent_store
-from conftest import cli_command, one_image_per_class, tiny_job, write_job
+from conftest import cli_command, one_image_per_class, tiny_job, wait_for, write_job
 from fsspec.asyn import sync
 from safetensors.torch import save_file
 from services import skip_reason
@@ -477,6 +478,38 @@ def test_a_store_that_refuses_connections_is_retried_then_one_line_without_the_s
         asyncio.run(read_one())
     assert "SECRET" not in str(failed.value) and f"failed {blob_gets.ATTEMPTS} times" in str(failed.value)
     assert diagnose(failed.value, Credentials()).unreachable  # retryable: running again resumes
+
+
+def test_a_store_answer_without_a_length_is_read_no_further_than_the_listed_size() -> None:
+    """A GET's answer in chunks of no stated length, and far longer than listed: the read stops after `end` bytes
+    (the listed size and a byte) instead of holding whatever the store sends."""
+    outcome: list[str] = []
+
+    def long_answer(connection: socket.socket) -> None:
+        with connection:
+            connection.recv(65536)
+            connection.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            try:
+                for _ in range(2000):  # 131 MB
+                    connection.sendall(b"10000\r\n" + b"z" * 0x10000 + b"\r\n")
+                connection.sendall(b"0\r\n\r\n")
+                outcome.append("sent whole")
+            except OSError:
+                outcome.append("cut off")
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        threading.Thread(target=lambda: long_answer(server.accept()[0]), daemon=True).start()
+        endpoint = f"http://127.0.0.1:{server.getsockname()[1]}/{ACCOUNT}"
+        reader = blob_gets.BlobReader(endpoint, lambda _container: "", "2021-08-06", 5, 5)
+
+        async def first_bytes() -> bytes:
+            async with reader.session() as read:
+                return await read("c/big.jpg", 101)
+
+        assert asyncio.run(first_bytes()) == b"z" * 101
+        assert wait_for(lambda: outcome, 30, "the store's answer to end") == ["cut off"]
 
 
 def test_a_listing_page_is_read_once_with_encoded_names_markers_and_the_next_page() -> None:

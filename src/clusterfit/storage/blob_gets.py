@@ -139,9 +139,9 @@ class BlobReader:
             try:
                 async with http.get(url, headers=headers) as response:
                     if response.status == 200:
-                        if end is not None and (response.content_length or 0) > end:
-                            return await response.content.readexactly(end)  # the rest is not held
-                        return await response.read()
+                        if end is None or (response.content_length is not None and response.content_length <= end):
+                            return await response.read()
+                        return await _first_bytes(response.content, end)  # longer, or of no stated length
                     code = response.headers.get("x-ms-error-code", "")
                     failure = BlobReadError(f"HTTP {response.status}: {response.reason} {code}".strip())
                     if response.status not in _RETRIED_STATUSES:
@@ -153,6 +153,14 @@ class BlobReader:
                 await asyncio.sleep(pause)
                 pause *= 2
         raise failure
+
+
+async def _first_bytes(stream: Any, end: int) -> bytes:
+    """At most `end` bytes of an answer's body: the rest of a longer one is neither read nor held."""
+    body = bytearray()
+    while len(body) < end and (chunk := await stream.read(end - len(body))):
+        body += chunk
+    return bytes(body)
 
 
 @dataclass(frozen=True)
