@@ -18,10 +18,9 @@ timed. Then, in rotating order for `--rounds` rounds:
 
 The benchmark's process freezes the objects of its imports, as the processes that stage in clusterfit do.
 Prints the median and range of each, and staging against the best ceiling, the ceiling with the listing, plain
-GETs into files and (with
-`--previous FILE`, another version of `clusterfit/data/staging.py` measured in the same rotation, one that takes
-`whole_file_reader` as a context manager) the previous version: the ratio of medians, and the median and range
-of the ratio within each round.
+GETs into files and (with `--previous FILE`, another version of `clusterfit/data/staging.py` measured in the same
+rotation, one that takes `whole_file_reader` as a context manager) the previous version: the ratio of medians,
+and the median and range of the ratio within each round.
 
 With `--listed N`, only the listing is measured instead, on N objects of one byte: fsspec's `find` through
 adlfs (what staging once used), and `clusterfit.storage.filesystems.list_files` through the SDK's names-only
